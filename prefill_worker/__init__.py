@@ -1,0 +1,1 @@
+"""pdserve prefill_worker package."""

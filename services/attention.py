@@ -1,0 +1,66 @@
+"""Attention over the paged KV pool: the pure-torch reference path, for CPU and GPU alike.
+
+Legend: N new tokens in the flat batch, B sequences, H query heads, K kv heads, Dh head dim,
+S pool slots (num_blocks * block_size), T context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where one step's tokens write their KV and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [N] int64: pool slot of each new token's k/v
+    query_lens: list[int]  # [B] new tokens per sequence (contiguous in the flat batch)
+    context_lens: list[int]  # [B] tokens visible after this step (cached + new)
+    context_slots: torch.Tensor  # [B, T_max] int64: pool slots of each context, padded with 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, T_max] bool when every query_len is 1, else None
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Store the new k/v in the pool, then attend causally over each sequence's context.
+
+    q: [N, H, Dh]; k, v: [N, K, Dh]; kv_cache: [2, S, K, Dh] (one layer). Returns [N, H, Dh].
+    """
+    kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+    kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    if meta.decode_mask is not None:
+        return _decode_attention(q, kv_cache, meta, scale)
+    out = torch.empty_like(q)
+    start = 0
+    for i, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        end = start + query_len
+        q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]
+        if context_len == query_len:  # no cached prefix: attend to the fresh k/v directly
+            k_i, v_i, mask, causal = k[start:end], v[start:end], None, True
+        else:
+            slots = meta.context_slots[i, :context_len]
+            k_i, v_i, causal = kv_cache[0][slots], kv_cache[1][slots], False
+            # query j sits at position context_len - query_len + j and sees keys up to it
+            query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q_i, k_i.transpose(0, 1).unsqueeze(0), v_i.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+        )  # [1, H, q, Dh]
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
+    return out
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # One query per sequence: gather every context at once and run one batched, masked attention.
+    keys = kv_cache[0][meta.context_slots].transpose(1, 2)  # [B, K, T, Dh]
+    values = kv_cache[1][meta.context_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )  # [B, H, 1, Dh]
+    return o.squeeze(2)

@@ -1,0 +1,78 @@
+"""Engine settings, validated on construction (imports no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.model_config import ModelConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs. `num_kv_blocks=None` sizes the pool from `kv_cache_memory_gb`, capped at
+    what `max_num_seqs` sequences of `max_model_len` tokens could ever use."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0  # seeds the per-request seeds drawn for requests that give none
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs one token)")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+
+    def resolve_device(self, cuda_available: bool) -> str:
+        if self.device == "auto":
+            return "cuda" if cuda_available else "cpu"
+        if self.device.startswith("cuda") and not cuda_available:
+            raise ValueError(f"device {self.device!r} asked for, but no CUDA device is available")
+        return self.device
+
+    def resolve_dtype(self, model: ModelConfig, device_type: str) -> str:
+        """"auto" is float32 on CPU (this class of CPU streams bf16 weights through matrix-vector
+        products at about half fp32's rate, and decode is bandwidth-bound) and the checkpoint's own
+        dtype on GPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if device_type == "cpu" else model.torch_dtype
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        limit = model.max_position_embeddings
+        if model.sliding_window is not None:  # attention here is full; stay where that is exact
+            limit = min(limit, model.sliding_window)
+        if self.max_model_len is None:
+            return limit
+        if not 1 < self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {self.max_model_len}")
+        return self.max_model_len
+
+    def resolve_num_kv_blocks(self, model: ModelConfig, dtype_bytes: int, max_model_len: int) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        bytes_per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes * self.block_size
+        by_memory = int(self.kv_cache_memory_gb * 2**30) // bytes_per_block
+        by_need = self.max_num_seqs * -(-max_model_len // self.block_size)
+        return max(1, min(by_memory, by_need))

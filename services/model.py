@@ -1,0 +1,99 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV pool.
+
+Legend: N tokens in the flat batch, D hidden size, H query heads, K kv heads, Dh head dim,
+F intermediate size, V vocab size, L layers, S pool slots.
+Weights arrive with Hugging Face names; q/k/v and gate/up are fused at load, so each layer is
+four matrix products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.attention import AttentionMetadata, paged_attention
+from services.model_config import ModelConfig
+from services.rotary import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as HF's LlamaRMSNorm: normalise in float32, scale in the model dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@dataclass(slots=True)
+class DecoderLayerWeights:
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(H + 2K) * Dh, D]
+    qkv_bias: torch.Tensor | None  # [(H + 2K) * Dh]
+    q_norm: torch.Tensor | None  # [Dh]
+    k_norm: torch.Tensor | None  # [Dh]
+    o: torch.Tensor  # [D, H * Dh]
+    post_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2F, D]
+    down: torch.Tensor  # [D, F]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+                 device: torch.device) -> None:
+        self.config = config
+        self.scale = config.head_dim**-0.5
+        self.embed = weights["model.embed_tokens.weight"]  # [V, D]
+        self.final_norm = weights["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.rotary = RotaryEmbedding(config, max_positions, device)
+
+    def _layer(self, w: dict[str, torch.Tensor], p: str) -> DecoderLayerWeights:
+        attn = p + "self_attn."
+        qkv = torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"])
+        bias = torch.cat([w.pop(attn + f"{n}_proj.bias") for n in "qkv"]) if self.config.attention_bias else None
+        return DecoderLayerWeights(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=qkv,
+            qkv_bias=bias,
+            q_norm=w.get(attn + "q_norm.weight") if self.config.qk_norm else None,
+            k_norm=w.get(attn + "k_norm.weight") if self.config.qk_norm else None,
+            o=w[attn + "o_proj.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
+            down=w[p + "mlp.down_proj.weight"],
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logit_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [N]; kv_cache: [L, 2, S, K, Dh]; logit_indices: [M] rows to project.
+
+        Returns float32 logits [M, V].
+        """
+        h = self.embed[input_ids]  # [N, D]
+        for layer, layer_cache in zip(self.layers, kv_cache):
+            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
+                                    positions, meta, layer_cache)
+            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logit_indices], self.final_norm, self.config.rms_norm_eps)  # [M, D]
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata, layer_cache: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [N, (H + 2K) * Dh]
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                             c.num_kv_heads * c.head_dim], dim=-1)
+        q = q.view(num_tokens, c.num_heads, c.head_dim)
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        q, k = self.rotary.apply(q, k, positions)
+        o = paged_attention(q, k, v, layer_cache, meta, self.scale)  # [N, H, Dh]
+        return F.linear(o.reshape(num_tokens, -1), layer.o)
