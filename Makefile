@@ -1,0 +1,34 @@
+# The two commands of the README: `make serve` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	# Until the Ray cluster lands, `make serve` runs the engine offline on the embedded tiny model.
+	$(VENV)/bin/pdserve generate --model tiny --prompt "Once upon a time" --prompt "The cat sat on"
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	# pytest exits 5 when it collects nothing: not a failure of the code.
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.engine_roofline
+	$(PY) -m benchmarks.offline_throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,23 @@
+"""Shared fixtures: the trained checkpoint in ../shared (skipped when absent) and small model folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models/stories260K absent (a user's clone lacks ../shared)")
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory) -> Path:
+    from services.model_presets import write_model
+
+    return write_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
