@@ -149,7 +149,10 @@ class _TextState:
 
     def consume(self, out: StepOutput) -> bool:
         """Add one step's tokens; True when a stop string ended the request."""
-        emitted, stopped = self.stop_checker.feed(self.detokenizer.push(out.new_token_ids))
+        new_text = self.detokenizer.push(out.new_token_ids)
+        if out.finish_reason is not None:
+            new_text += self.detokenizer.flush()  # a character cut in half by the end
+        emitted, stopped = self.stop_checker.feed(new_text)
         self.text += emitted
         if stopped:
             self.stopped_on_string = True

@@ -101,4 +101,5 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
     if bool((min_ps > 0).any()):
         probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
