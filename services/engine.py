@@ -12,9 +12,9 @@ from services.block_manager import BlockManager
 from services.checkpoint import load_weights
 from services.detokenizer import IncrementalDetokenizer
 from services.engine_config import EngineConfig
+from services.kv_payload import KVPayload
 from services.model_config import ModelConfig
 from services.model_runner import ModelRunner
-from services.protocol import KVPayload
 from services.request_output import RequestOutput, StepOutput
 from services.sampling_params import SamplingParams
 from services.scheduler import SampledToken, Scheduler, SchedulerConfig
@@ -29,6 +29,7 @@ class Engine:
 
     def __init__(self, model: str | Path, **options) -> None:
         self.config = EngineConfig(model=str(model), **options)
+        self.num_tokens_processed = 0
         self.model_config = ModelConfig.from_folder(self.config.model)
         self.tokenizer = Tokenizer.from_folder(self.config.model)
         self.device = torch.device(self.config.resolve_device(torch.cuda.is_available()))
@@ -106,6 +107,7 @@ class Engine:
         if batch.is_empty:
             return []
         sampled, exported = self.runner.run(batch)
+        self.num_tokens_processed += sum(batch.num_new_tokens)
         touched = self.scheduler.update(batch, sampled)
         return [self._step_output(seq, exported.get(seq.request_id)) for seq in touched]
 

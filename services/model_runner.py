@@ -10,9 +10,9 @@ import warnings
 import torch
 
 from services.attention import AttentionMetadata
+from services.kv_payload import KVPayload
 from services.model import LlamaModel
 from services.model_config import ModelConfig
-from services.protocol import KVPayload
 from services.sampler import sample
 from services.scheduler import SampledToken, ScheduledBatch
 from services.sequence import Sequence

@@ -1,57 +1,73 @@
-"""Wire types that cross process boundaries between router and workers (imports no torch)."""
+"""Messages between the router and the workers (imports no torch).
+
+The KV itself travels separately, as its own Ray object (`services.kv_payload.KVPayload`), so the
+router owns its reference and can free it the moment the decode side has copied it.
+"""
 
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
-
-from services.errors import KVTransferError
-
-# numpy has no bfloat16: bf16 KV travels as its raw 16-bit pattern in an int16 array.
-WIRE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}
-
-
-def kv_checksum(data: np.ndarray) -> int:
-    """CRC-32 of the array's bytes (read in place, no copy)."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(data)).cast("B"))
+from services.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class KVPayload:
-    """One sequence's KV cache in the hand-off format.
+class PrefillRequest:
+    """Compute the prompt's KV and sample the first token."""
 
-    data: [num_layers, 2, num_tokens, num_kv_heads, head_dim], contiguous, in `WIRE_DTYPES[dtype]`.
-    The checksum is computed by the sender and verified by the receiver before any block is written.
-    """
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
-    data: np.ndarray
-    dtype: str
-    checksum: int
 
-    @classmethod
-    def from_array(cls, data: np.ndarray, dtype: str) -> KVPayload:
-        if dtype not in WIRE_DTYPES or data.dtype != WIRE_DTYPES[dtype]:
-            raise KVTransferError(f"KV array of numpy dtype {data.dtype} does not carry {dtype}")
-        data = np.ascontiguousarray(data)
-        return cls(data=data, dtype=dtype, checksum=kv_checksum(data))
+@dataclass(frozen=True)
+class PrefillResult:
+    """The small half of a prefill's two returns (the other is the KVPayload)."""
 
-    @property
-    def num_tokens(self) -> int:
-        return self.data.shape[2]
+    request_id: str
+    first_token_id: int
+    first_logprobs: dict[int, float] | None
+    finish_reason: str | None  # "stop" when the first token already ends the request, else None
+    num_cached_tokens: int  # prompt tokens served by the prefill worker's prefix cache
+    prefill_seconds: float  # on the worker, from arrival (queueing included) to the first token
+    kv_bytes: int
+    worker_id: str
 
-    @property
-    def num_bytes(self) -> int:
-        return self.data.nbytes
 
-    def verify(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> None:
-        """Raise KVTransferError unless shape, dtype and checksum match what the receiver expects."""
-        expected = (num_layers, 2, self.num_tokens, num_kv_heads, head_dim)
-        if self.data.ndim != 5 or self.data.shape != expected:
-            raise KVTransferError(f"KV shape {self.data.shape} does not match the model, expected {expected}")
-        if self.dtype != dtype or self.data.dtype != WIRE_DTYPES[dtype]:
-            raise KVTransferError(f"KV dtype {self.dtype} ({self.data.dtype}) does not match the pool's {dtype}")
-        actual = kv_checksum(self.data)
-        if actual != self.checksum:
-            raise KVTransferError(f"KV checksum mismatch: sent {self.checksum:#010x}, received {actual:#010x}")
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Continue a request on a decode worker. With a KV payload, the prompt is already computed and
+    `first_token_id` sampled; without one (colocated mode, or a resumed stream) the worker prefills
+    `prompt_token_ids` itself and `first_token_id` is None."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_token_id: int | None = None
+    first_logprobs: dict[int, float] | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request (several when the reader lagged behind the engine)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    node_id: str
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_tokens_processed: int
+    num_prefix_queries: int
+    num_prefix_hits: int
+    num_steps: int
+    extra: dict[str, float] = field(default_factory=dict)

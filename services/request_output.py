@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.protocol import KVPayload
+from services.kv_payload import KVPayload
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    kv_payload: object | None = None  # services.protocol.KVPayload awaiting import (decode side)
+    kv_payload: object | None = None  # services.kv_payload.KVPayload awaiting import (decode side)
     export_kv: bool = False  # prefill side: return the prompt's KV when the prompt is done
     num_preemptions: int = 0
 

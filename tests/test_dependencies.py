@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_FREE_SERVICES = ["sequence", "block_manager", "scheduler", "protocol", "sampling_params", "model_config",
+TORCH_FREE_SERVICES = ["sequence", "block_manager", "scheduler", "protocol", "kv_payload", "sampling_params", "model_config",
                        "engine_config", "tokenizer", "detokenizer", "stop_checker", "request_output", "errors"]
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from services import Engine, SamplingParams
 from services.errors import KVTransferError
-from services.protocol import KVPayload
+from services.kv_payload import KVPayload
 from services.scheduler import SampledToken
 from services.sequence import Sequence
 

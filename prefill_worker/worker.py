@@ -1,0 +1,60 @@
+"""PrefillWorker: a Ray actor on a prefill node that computes prompts' KV and first tokens.
+
+Prompts that arrive while the engine is busy are batched into the next forward pass by the
+engine's scheduler. Each call returns two objects (metadata, KV) as method return values, so the
+caller owns both references and nothing is orphaned if this actor dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ray
+
+from services.kv_payload import KVPayload
+from services.protocol import PrefillRequest, PrefillResult, WorkerStats
+from services.worker_runtime import WorkerSpec, start_engine, worker_stats
+
+
+class PrefillWorker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.engine = start_engine(spec)
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+    async def prefill(self, request: PrefillRequest) -> tuple[PrefillResult, KVPayload]:
+        """Prefill the prompt; returns (metadata, KV). Call with `.options(num_returns=2)`."""
+        # Only the first token is sampled here; min_tokens keeps masking EOS for it if asked.
+        params = dataclasses.replace(request.params, max_tokens=1, min_tokens=min(request.params.min_tokens, 1))
+        arrived = time.perf_counter()
+        stream = self.engine.submit(
+            request.request_id,
+            lambda engine: engine.add_request(request.request_id, request.prompt_token_ids, params, export_kv=True))
+        try:
+            (out,) = await stream.next_batch()
+        except BaseException:
+            self.engine.abort(request.request_id)
+            raise
+        done = time.perf_counter()
+        assert out.kv is not None and out.finish_reason is not None
+        result = PrefillResult(
+            request_id=request.request_id,
+            first_token_id=out.new_token_ids[0],
+            first_logprobs=out.new_logprobs[0] if out.new_logprobs else None,
+            finish_reason="stop" if out.finish_reason == "stop" else None,
+            num_cached_tokens=out.num_cached_tokens,
+            prefill_seconds=done - arrived,
+            kv_bytes=out.kv.num_bytes,
+            worker_id=self.spec.worker_id,
+        )
+        return result, out.kv
+
+    def ping(self) -> str:
+        return self.spec.worker_id
+
+    def stats(self) -> WorkerStats:
+        return worker_stats(self.spec, self.engine, self.node_id)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,42 @@
+"""What both worker actors share: building the engine on the right cores, and reporting stats."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from services.async_engine import AsyncEngine
+from services.engine import Engine
+from services.protocol import WorkerStats
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to build one worker: its id, role, model folder, engine options and (on CPU) cores."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    model: str
+    engine_options: dict[str, object] = field(default_factory=dict)
+    cpu_ids: tuple[int, ...] | None = None  # pin the process here and use one torch thread each
+
+
+def start_engine(spec: WorkerSpec) -> AsyncEngine:
+    options = dict(spec.engine_options)
+    if spec.cpu_ids:
+        # Prefill and decode on one host must not fight over cores: pin, and match torch's threads.
+        os.sched_setaffinity(0, spec.cpu_ids)
+        options.setdefault("num_threads", len(spec.cpu_ids))
+    return AsyncEngine(Engine(model=spec.model, **options))
+
+
+def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str) -> WorkerStats:
+    e = engine.engine
+    bm = e.block_manager
+    return WorkerStats(
+        worker_id=spec.worker_id, role=spec.role, node_id=node_id,
+        num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
+        num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
+        num_tokens_processed=e.num_tokens_processed, num_prefix_queries=bm.num_prefix_queries,
+        num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps,
+    )
