@@ -8,9 +8,11 @@ generator of TokenDelta items; cancelling it aborts the request and frees its bl
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import ray
 
-from services.kv_payload import KVPayload
 from services.protocol import DecodeRequest, TokenDelta, WorkerStats
 from services.scheduler import SampledToken
 from services.worker_runtime import WorkerSpec, start_engine, worker_stats
@@ -21,18 +23,27 @@ class DecodeWorker:
         self.spec = spec
         self.engine = start_engine(spec)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        self.kv_transfers: list[tuple[float, int]] = []  # (seconds, bytes) since the last drain
 
-    async def generate(self, request: DecodeRequest, kv: KVPayload | None):
-        """Yield TokenDelta items until the request finishes (a Ray streaming generator)."""
+    async def generate(self, request: DecodeRequest, kv_refs: list | None):
+        """Yield TokenDelta items until the request finishes (a Ray streaming generator).
+
+        `kv_refs` is `[ObjectRef of a KVPayload]` (disaggregated) or None (prefill here). The ref
+        arrives wrapped so this worker fetches it and the store can free it once it is copied.
+        """
         rid = request.request_id
-        if kv is None:
+        if kv_refs is None:
             def add(engine):
                 engine.add_request(rid, request.prompt_token_ids, request.params)
         else:
+            start = time.perf_counter()
+            held = [await kv_refs[0]]  # Ray moves the object to this node; numpy reads it in place
+            self.kv_transfers.append((time.perf_counter() - start, held[0].num_bytes))
             first = SampledToken(request.first_token_id, request.first_logprobs)
 
-            def add(engine):
-                engine.add_prefilled(rid, request.prompt_token_ids, first, request.params, kv)
+            def add(engine):  # pop: once the engine has copied the KV nothing here keeps it alive
+                engine.add_prefilled(rid, request.prompt_token_ids, first, request.params, held.pop())
+        del kv_refs
         stream = self.engine.submit(rid, add)
         finished = False
         try:
@@ -50,7 +61,9 @@ class DecodeWorker:
         return self.spec.worker_id
 
     def stats(self) -> WorkerStats:
-        return worker_stats(self.spec, self.engine, self.node_id)
+        """Counters, plus the KV transfers seen since the last call (the caller records them)."""
+        transfers, self.kv_transfers = tuple(self.kv_transfers), []
+        return dataclasses.replace(worker_stats(self.spec, self.engine, self.node_id), kv_transfers=transfers)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

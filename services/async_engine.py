@@ -11,9 +11,12 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from services.engine import Engine
 from services.request_output import StepOutput
+
+if TYPE_CHECKING:
+    from services.engine import Engine
 
 
 class RequestStream:

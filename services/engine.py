@@ -68,6 +68,8 @@ class Engine:
         self._check_length(prompt_token_ids, params)
         if kv.num_tokens != len(prompt_token_ids):
             raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
+        c = self.model_config  # checked here, so a corrupt payload fails only its own request
+        kv.verify(c.num_layers, c.num_kv_heads, c.head_dim, str(self.dtype).removeprefix("torch."))
         seq = self._sequence(request_id, list(prompt_token_ids) + [first.token_id], params)
         seq.num_prompt_tokens = len(prompt_token_ids)
         if first.logprobs is not None:

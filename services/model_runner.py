@@ -92,10 +92,8 @@ class ModelRunner:
         return KVPayload.from_array(array, name)
 
     def import_kv(self, seq: Sequence) -> None:
-        """Verify `seq.kv_payload` and copy it into the sequence's blocks (one copy)."""
+        """Copy `seq.kv_payload` (verified by `Engine.add_prefilled`) into the sequence's blocks."""
         payload: KVPayload = seq.kv_payload
-        c = self.config
-        payload.verify(c.num_layers, c.num_kv_heads, c.head_dim, DTYPE_NAMES[self.dtype])
         with warnings.catch_warnings():  # object-store buffers are read-only; torch only reads this one
             warnings.simplefilter("ignore", UserWarning)
             kv = torch.from_numpy(payload.data)  # zero-copy view

@@ -6,7 +6,7 @@ router owns its reference and can free it the moment the decode side has copied 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.sampling_params import SamplingParams
 
@@ -70,4 +70,5 @@ class WorkerStats:
     num_prefix_queries: int
     num_prefix_hits: int
     num_steps: int
-    extra: dict[str, float] = field(default_factory=dict)
+    kv_transfers: tuple[tuple[float, int], ...] = ()  # (seconds, bytes) of KV fetched since the last call
+    kv_transfer_failures: int = 0

@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 
 from services.async_engine import AsyncEngine
-from services.engine import Engine
 from services.protocol import WorkerStats
 
 
@@ -22,6 +21,8 @@ class WorkerSpec:
 
 
 def start_engine(spec: WorkerSpec) -> AsyncEngine:
+    from services.engine import Engine  # torch loads in the worker process only, not in the router
+
     options = dict(spec.engine_options)
     if spec.cpu_ids:
         # Prefill and decode on one host must not fight over cores: pin, and match torch's threads.

@@ -1,0 +1,120 @@
+"""The router's FastAPI app: routes, request ids, auth, body limits, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router import completions
+from router.errors import APIError, install_error_handlers
+from router.orchestrator import Orchestrator
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.worker_pool import WorkerPool
+from services.metrics import METRICS
+from services.tokenizer import Tokenizer
+
+
+@dataclass
+class RouterState:
+    """Everything a request handler needs."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    pool: WorkerPool
+    orchestrator: Orchestrator
+    api_key: str | None = None
+    max_n: int = 16
+    max_body_bytes: int = 4 * 2**20
+    stats_interval: float = 1.0
+
+
+def create_app(state: RouterState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        poller = asyncio.create_task(_poll_workers(state))
+        yield
+        poller.cancel()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.router = state
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def boundary(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or completions.new_request_id()
+        request.state.request_id = request_id
+        error = _check_boundary(state, request)
+        response = error.response() if error else await call_next(request)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        prep = completions.prepare_completion(state, body, request.state.request_id)
+        return await _respond(state, prep)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        prep = completions.prepare_chat(state, body, request.state.request_id)
+        return await _respond(state, prep)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": state.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        await state.pool.refresh_stats()
+        roles = {"prefill": "prefill" if state.orchestrator.mode == "disaggregated" else "decode",
+                 "decode": "decode"}
+        missing = [r for r, pool_role in roles.items() if not state.pool.role(pool_role)]
+        if missing:
+            return JSONResponse({"status": "unhealthy", "missing": missing}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(METRICS.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _check_boundary(state: RouterState, request: Request) -> APIError | None:
+    if request.url.path.startswith("/v1/") and state.api_key is not None:
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {state.api_key}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return APIError(401, "Invalid or missing API key.")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+        return APIError(413, f"request body is larger than {state.max_body_bytes} bytes")
+    return None
+
+
+async def _respond(state: RouterState, prep: completions.Prepared):
+    if prep.stream:
+        return StreamingResponse(completions.stream(state, prep), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await completions.complete(state, prep)
+
+
+async def _poll_workers(state: RouterState) -> None:
+    """Refresh load and health, and copy the workers' counters into the metrics."""
+    while True:
+        started = time.perf_counter()
+        for stats in await state.pool.stats():
+            METRICS.record_worker(stats)
+        await state.pool.refresh_stats()
+        for role in ("prefill", "decode"):
+            METRICS.workers_alive.labels(role).set(len(state.pool.role(role)))
+        await asyncio.sleep(max(0.0, state.stats_interval - (time.perf_counter() - started)))

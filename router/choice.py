@@ -1,0 +1,89 @@
+"""One choice of a response: incremental text with stop strings applied, logprobs, and counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.detokenizer import IncrementalDetokenizer
+from services.protocol import TokenDelta
+from services.sampling_params import SamplingParams
+from services.stop_checker import StopChecker
+from services.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """What a choice adds from one delta: new text, its tokens' logprobs, and maybe its end."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    index: int
+    tokenizer: Tokenizer
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer = field(init=False)
+    stop_checker: StopChecker = field(init=False)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids,
+                                                  self.params.skip_special_tokens)
+        self.stop_checker = StopChecker(self.params.stop, self.params.include_stop_str_in_output)
+
+    def update(self, delta: TokenDelta) -> ChoiceUpdate:
+        """Consume one delta. A completed stop string sets `finish_reason` to "stop" before the
+        workers know: the caller then closes the stream, which aborts the request."""
+        self.token_ids += delta.token_ids
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        new_text = self.detokenizer.push(delta.token_ids)
+        if delta.finish_reason is not None:
+            new_text += self.detokenizer.flush()
+        emitted, stopped = self.stop_checker.feed(new_text)
+        if stopped:
+            self.finish_reason = "stop"
+        elif delta.finish_reason is not None:
+            emitted += self.stop_checker.flush()
+            self.finish_reason = delta.finish_reason
+        self.text += emitted
+        return ChoiceUpdate(self.index, emitted, delta.token_ids, delta.logprobs, self.finish_reason)
+
+
+def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                        text_offset: int) -> dict:
+    """The legacy completions `logprobs` object for these tokens."""
+    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
+        "top_logprobs": [{tokenizer.decode([k], skip_special_tokens=False): v for k, v in lp.items()}
+                         for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                  num_top: int) -> dict:
+    """The chat `logprobs` object: one entry per token with its top alternatives."""
+    def entry(token_id: int, value: float) -> dict:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for t, lp in zip(token_ids, logprobs):
+        alternatives = sorted(lp.items(), key=lambda kv: -kv[1])[:num_top]
+        content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in alternatives]})
+    return {"content": content}

@@ -1,0 +1,232 @@
+"""/v1/completions and /v1/chat/completions: prepare the request, run its choices, shape the reply."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from router.choice import ChoiceState, ChoiceUpdate, chat_logprobs, completion_logprobs
+from router.errors import APIError
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from services.metrics import METRICS
+from services.sampling_params import SamplingParams
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to run: one prompt per choice group, n choices each."""
+
+    request_id: str
+    chat: bool
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    echo_texts: list[str] | None  # completions `echo`: the prompt text to put before each choice
+    num_top_logprobs: int  # chat: top_logprobs
+
+
+def _check_model(state, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def _check_length(state, prompt: list[int], max_tokens: int) -> None:
+    limit = state.max_model_len
+    if len(prompt) >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
+                            f"{len(prompt)} input tokens. Please reduce the length of the input.", "input_tokens")
+    if len(prompt) + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                            f"{max_tokens} output tokens and your prompt contains {len(prompt)} input tokens, "
+                            f"for a total of {len(prompt) + max_tokens} tokens.", "max_tokens")
+    vocab = state.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+
+
+def _params(state, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    if body.n > state.max_n:
+        raise APIError(400, f"n must be at most {state.max_n}", "n")
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as error:
+        raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
+
+
+def prepare_completion(state, body: CompletionRequest, request_id: str) -> Prepared:
+    _check_model(state, body.model)
+    raw = body.prompt
+    if isinstance(raw, str):
+        raw = [raw]
+    elif raw and isinstance(raw[0], int):
+        raw = [raw]
+    prompts = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    for p in prompts:
+        _check_length(state, p, max_tokens)
+    echo = [state.tokenizer.decode(p, skip_special_tokens=True) for p in prompts] if body.echo else None
+    return Prepared(request_id, False, state.model_name, prompts, _params(state, body, max_tokens, body.logprobs),
+                    body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), echo, 0)
+
+
+def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepared:
+    _check_model(state, body.model)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        prompt = state.tokenizer.encode_chat(messages)
+    except ValueError as error:
+        raise APIError(400, str(error), "messages") from None
+    requested = body.max_completion_tokens or body.max_tokens
+    max_tokens = requested if requested is not None else max(1, state.max_model_len - len(prompt))
+    _check_length(state, prompt, max_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return Prepared(request_id, True, state.model_name, [prompt], _params(state, body, max_tokens, logprobs),
+                    body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), None,
+                    body.top_logprobs or 0)
+
+
+async def run_choices(state, prep: Prepared) -> AsyncIterator[tuple[ChoiceState, ChoiceUpdate]]:
+    """Run every choice concurrently; yield each update as it comes. Closing this iterator
+    cancels every choice, which aborts their requests on the workers."""
+    queue: asyncio.Queue = asyncio.Queue()
+    start = time.perf_counter()
+    choices = []
+    for p, prompt in enumerate(prep.prompts):
+        for j in range(prep.n):
+            # With n > 1 and a seed, choice j uses seed + j: different choices, each reproducible.
+            seed = None if prep.params.seed is None else prep.params.seed + j
+            choices.append(ChoiceState(p * prep.n + j, state.tokenizer, replace(prep.params, seed=seed), prompt))
+
+    async def one(choice: ChoiceState) -> None:
+        sub_id = f"{prep.request_id}-{choice.index}"
+        last = None
+        try:
+            async for delta in state.orchestrator.generate(sub_id, choice.prompt_token_ids, choice.params):
+                now = time.perf_counter()
+                if last is None:
+                    METRICS.time_to_first_token.observe(now - start)
+                else:
+                    for _ in delta.token_ids:
+                        METRICS.inter_token_latency.observe((now - last) / len(delta.token_ids))
+                last = now
+                update = choice.update(delta)
+                await queue.put((choice, update))
+                if choice.finish_reason is not None:
+                    break  # a stop string ended it early: leaving the loop aborts it on the worker
+        except Exception as error:
+            await queue.put((choice, error))
+        finally:
+            await queue.put((choice, None))
+
+    tasks = [asyncio.create_task(one(c)) for c in choices]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            choice, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        METRICS.e2e_request_latency.observe(time.perf_counter() - start)
+        for c in choices:
+            METRICS.prompt_tokens.inc(len(c.prompt_token_ids))
+            METRICS.generation_tokens.inc(len(c.token_ids))
+            if c.finish_reason is not None:
+                METRICS.request_success.labels(c.finish_reason).inc()
+
+
+def usage(prep: Prepared, choices: list[ChoiceState]) -> dict:
+    prompt_tokens = sum(len(p) for p in prep.prompts)
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(c.num_cached_tokens for c in choices[:: prep.n]) if choices else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _choice_body(state, prep: Prepared, choice: ChoiceState, text: str, token_ids: list[int],
+                 logprobs: list | None, finish_reason: str | None, stream: bool, first: bool) -> dict:
+    lp = None
+    if logprobs is not None:
+        lp = (chat_logprobs(state.tokenizer, token_ids, logprobs, prep.num_top_logprobs) if prep.chat else
+              completion_logprobs(state.tokenizer, token_ids, logprobs, len(choice.text) - len(text)))
+    if not prep.chat:
+        return {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+    if stream:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+    return {"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+            "finish_reason": finish_reason}
+
+
+def _envelope(prep: Prepared, created: int, chunk: bool) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if prep.chat else "text_completion"
+    prefix = "chatcmpl-" if prep.chat else "cmpl-"
+    return {"id": prefix + prep.request_id, "object": kind, "created": created, "model": prep.model}
+
+
+async def complete(state, prep: Prepared) -> dict:
+    """The whole (non-streamed) response."""
+    choices: dict[int, ChoiceState] = {}
+    logprobs: dict[int, list] = {}
+    async for choice, update in run_choices(state, prep):
+        choices[choice.index] = choice
+        if update.logprobs is not None:
+            logprobs.setdefault(choice.index, []).extend(update.logprobs)
+    ordered = [choices[i] for i in sorted(choices)]
+    bodies = []
+    for c in ordered:
+        echo = prep.echo_texts[c.index // prep.n] if prep.echo_texts else ""
+        body = _choice_body(state, prep, c, c.text, c.token_ids, logprobs.get(c.index) if c.params.logprobs
+                            is not None else None, c.finish_reason, False, True)
+        if echo:
+            body["text"] = echo + body["text"]
+        bodies.append(body)
+    return {**_envelope(prep, int(time.time()), False), "choices": bodies, "usage": usage(prep, ordered)}
+
+
+async def stream(state, prep: Prepared) -> AsyncIterator[str]:
+    """SSE events: chunks, then (with include_usage) a usage chunk, then [DONE]. An error after the
+    stream started is sent as an error event."""
+    created = int(time.time())
+    seen: dict[int, ChoiceState] = {}
+    try:
+        async for choice, update in run_choices(state, prep):
+            first = choice.index not in seen
+            seen[choice.index] = choice
+            text = update.text
+            if first and prep.echo_texts:
+                text = prep.echo_texts[choice.index // prep.n] + text
+            if not text and update.finish_reason is None and update.logprobs is None and not first:
+                continue  # a held-back partial character or stop-string prefix: nothing to send yet
+            body = _choice_body(state, prep, choice, text, update.token_ids, update.logprobs,
+                                update.finish_reason, True, first)
+            yield _sse({**_envelope(prep, created, True), "choices": [body]})
+        if prep.include_usage:
+            ordered = [seen[i] for i in sorted(seen)]
+            yield _sse({**_envelope(prep, created, True), "choices": [], "usage": usage(prep, ordered)})
+    except APIError as error:
+        yield _sse(error.body())
+    except Exception:
+        yield _sse(APIError(500, "internal server error").body())
+    yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

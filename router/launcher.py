@@ -1,0 +1,169 @@
+"""`pdserve serve`: start or join Ray, create and check the workers, serve the router, clean up.
+
+The whole topology is validated before anything is created: a placement that the cluster cannot
+satisfy fails within seconds with a message naming the missing resource, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from services.engine_config import EngineConfig
+from services.model_config import ModelConfig
+from services.worker_runtime import WorkerSpec
+
+log = logging.getLogger("pdserve.launcher")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to run: the model, the mode and how many workers of each role, and where."""
+
+    model: str
+    mode: str = "disaggregated"  # or "colocated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 2
+    namespace: str = "pdserve"
+    prefill_resource: str = "pd_prefill"
+    decode_resource: str = "pd_decode"
+    engine_options: dict[str, object] = field(default_factory=dict)
+    pin_cpus: bool = True  # on one host: give each worker its own cores
+    detached: bool = False  # workers outlive this process (a router restart keeps them)
+    startup_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        for name in ("num_prefill", "num_decode", "num_colocated"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        EngineConfig(model=self.model, **self.engine_options)  # refuse bad engine options up front
+
+    def roles(self) -> list[tuple[str, str, str]]:
+        """(worker name, role, Ray resource) for every worker, prefill first."""
+        if self.mode == "colocated":
+            return [(f"decode-{i}", "decode", self.decode_resource) for i in range(self.num_colocated)]
+        return ([(f"prefill-{i}", "prefill", self.prefill_resource) for i in range(self.num_prefill)]
+                + [(f"decode-{i}", "decode", self.decode_resource) for i in range(self.num_decode)])
+
+
+def init_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> None:
+    """A one-machine Ray instance that advertises both roles; the dashboard stays off."""
+    num_workers = len(spec.roles())
+    ray.init(num_cpus=num_cpus or os.cpu_count(), namespace=spec.namespace, include_dashboard=False,
+             resources={spec.prefill_resource: num_workers, spec.decode_resource: num_workers},
+             logging_level=logging.WARNING)
+
+
+def validate_topology(spec: ClusterSpec) -> None:
+    """Fail fast when the cluster lacks the resources the workers need, or the model is unusable."""
+    ModelConfig.from_folder(spec.model)
+    totals = ray.cluster_resources()
+    needed: dict[str, int] = {}
+    for _, _, resource in spec.roles():
+        needed[resource] = needed.get(resource, 0) + 1
+    for resource, count in needed.items():
+        have = totals.get(resource, 0)
+        if have < count:
+            raise RuntimeError(f"the cluster offers {have:g} of resource {resource!r} but {count} worker(s) need "
+                               f"one each; start nodes with --resources='{{\"{resource}\": N}}' or change the "
+                               f"worker counts")
+
+
+def _cpu_groups(num_workers: int) -> list[tuple[int, ...] | None]:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < num_workers:
+        return [None] * num_workers
+    per = len(cores) // num_workers
+    return [tuple(cores[i * per : (i + 1) * per]) for i in range(num_workers)]
+
+
+def start_workers(spec: ClusterSpec, local: bool) -> list:
+    """Create every worker actor and wait until each has loaded its model and answers a ping."""
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+
+    validate_topology(spec)
+    roles = spec.roles()
+    groups = _cpu_groups(len(roles)) if (local and spec.pin_cpus) else [None] * len(roles)
+    actors = []
+    for (name, role, resource), cpus in zip(roles, groups):
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        options = dict(name=name, namespace=spec.namespace, resources={resource: 1}, num_cpus=0,
+                       max_concurrency=1000, get_if_exists=False)
+        if spec.detached:
+            options["lifetime"] = "detached"
+        worker_spec = WorkerSpec(name, role, spec.model, dict(spec.engine_options), cpus)
+        actors.append(ray.remote(cls).options(**options).remote(worker_spec))
+    _wait_ready(actors, [n for n, _, _ in roles], spec.startup_timeout)
+    return actors
+
+
+def _wait_ready(actors: list, names: list[str], timeout: float) -> None:
+    pending = {a.ping.remote(): name for a, name in zip(actors, names)}
+    deadline = time.monotonic() + timeout
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RuntimeError(f"workers {sorted(pending.values())} did not start within {timeout:.0f} s")
+        name = pending.pop(ready[0])
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as error:
+            raise RuntimeError(f"worker {name} failed to start: {error}") from None
+
+
+def stop_workers(actors: list) -> None:
+    for actor in actors:
+        try:
+            ray.get(actor.shutdown.remote(), timeout=10)
+        except Exception:  # already dead: nothing to shut down
+            pass
+        ray.kill(actor)
+
+
+def build_router_state(spec: ClusterSpec, model_name: str, api_key: str | None = None):
+    from router.app import RouterState
+    from router.orchestrator import Orchestrator
+    from router.worker_pool import WorkerPool
+    from services.tokenizer import Tokenizer
+
+    model = ModelConfig.from_folder(spec.model)
+    engine_config = EngineConfig(model=spec.model, **spec.engine_options)
+    pool = WorkerPool(spec.namespace)
+    pool.discover()
+    return RouterState(model_name=model_name, tokenizer=Tokenizer.from_folder(spec.model),
+                       max_model_len=engine_config.resolve_max_model_len(model), vocab_size=model.vocab_size,
+                       pool=pool, orchestrator=Orchestrator(pool, spec.mode), api_key=api_key)
+
+
+def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str | None,
+          api_key: str | None = None) -> None:
+    """Run until Ctrl-C / SIGTERM, then stop what was started."""
+    import uvicorn
+
+    from router.app import create_app
+
+    local = address is None
+    if local:
+        init_local_ray(spec)
+    else:
+        ray.init(address=address, namespace=spec.namespace, logging_level=logging.WARNING)
+    actors = []
+    try:
+        actors = start_workers(spec, local)
+        app = create_app(build_router_state(spec, model_name, api_key))
+        log.warning("pdserve: %s mode, serving %s on http://%s:%d", spec.mode, model_name, host, port)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        asyncio.run(uvicorn.Server(config).serve())  # uvicorn handles SIGINT/SIGTERM and returns
+    finally:
+        if not spec.detached:
+            stop_workers(actors)
+        ray.shutdown()

@@ -1,0 +1,66 @@
+"""Runs one request's two phases: prefill on a prefill worker, then decode on a decode worker.
+
+The first token is yielded as soon as the prefill's metadata arrives, while the KV object is still
+on its way. The KV reference is owned here and passed to the decode worker wrapped in a list, so
+the worker fetches it itself and the object store frees it once the worker has copied it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import ray
+
+from router.worker_pool import WorkerPool
+from services.metrics import METRICS
+from services.protocol import DecodeRequest, PrefillRequest, TokenDelta
+from services.sampling_params import SamplingParams
+
+
+class Orchestrator:
+    def __init__(self, pool: WorkerPool, mode: str) -> None:
+        assert mode in ("disaggregated", "colocated")
+        self.pool = pool
+        self.mode = mode
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[TokenDelta]:
+        """Token deltas of one request; closing the iterator early aborts it everywhere."""
+        request = DecodeRequest(request_id, prompt_token_ids, params)
+        if self.mode == "colocated":
+            with self.pool.claim("decode", 1) as worker:
+                async for delta in self._decode(worker.actor, request, None):
+                    yield delta
+            return
+        with self.pool.claim("prefill", len(prompt_token_ids)) as worker:
+            meta_ref, kv_ref = worker.actor.prefill.options(num_returns=2).remote(
+                PrefillRequest(request_id, prompt_token_ids, params))
+            meta = await meta_ref
+        METRICS.request_prefill_time.observe(meta.prefill_seconds)
+        done = meta.finish_reason is not None or params.max_tokens == 1
+        yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
+                         meta.finish_reason or ("length" if done else None), meta.num_cached_tokens)
+        if done:
+            return  # kv_ref goes out of scope here and the object is freed
+        request = DecodeRequest(request_id, prompt_token_ids, params, meta.first_token_id, meta.first_logprobs)
+        kv_refs = [kv_ref]
+        del kv_ref
+        with self.pool.claim("decode", 1) as worker:
+            async for delta in self._decode(worker.actor, request, kv_refs):
+                kv_refs.clear()  # the worker holds the KV now: drop the router's reference
+                yield delta
+
+    async def _decode(self, actor, request: DecodeRequest, kv_refs: list | None) -> AsyncIterator[TokenDelta]:
+        start = time.perf_counter()
+        stream = actor.generate.remote(request, kv_refs)
+        finished = False
+        try:
+            async for ref in stream:
+                delta: TokenDelta = await ref
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:  # client gone or an error: stop the worker's generator, free its blocks
+                ray.cancel(stream)
+            METRICS.request_decode_time.observe(time.perf_counter() - start)

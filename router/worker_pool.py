@@ -1,0 +1,86 @@
+"""The router's view of the workers: find them by name, pick the least loaded, track health.
+
+Load is what this router has sent and not yet seen finish (outstanding prompt tokens for prefill,
+outstanding sequences for decode), refined for decode by the free KV blocks each worker last
+reported. Several routers may share one pool; each balances its own traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import ray
+
+from router.errors import APIError
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    name: str  # "prefill-0", "decode-1", ...
+    role: str
+    actor: object  # ray.actor.ActorHandle
+    outstanding: int = 0  # prompt tokens (prefill) or sequences (decode) in flight from this router
+    free_kv_blocks: int = 0
+    alive: bool = True
+
+
+class WorkerPool:
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.workers: dict[str, WorkerHandle] = {}
+
+    def discover(self) -> None:
+        """Attach to every named pdserve worker in the namespace."""
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name, namespace = entry["name"], entry["namespace"]
+            role = name.split("-", 1)[0]
+            if namespace != self.namespace or role not in ("prefill", "decode") or name in self.workers:
+                continue
+            self.workers[name] = WorkerHandle(name, role, ray.get_actor(name, namespace=namespace))
+
+    def role(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.role == role and w.alive]
+
+    @contextlib.contextmanager
+    def claim(self, role: str, load: int) -> Iterator[WorkerHandle]:
+        """The least loaded live worker of `role`, charged `load` until the block exits."""
+        candidates = self.role(role)
+        if not candidates:
+            raise APIError(503, f"no {role} worker is alive", retry_after=1)
+        if role == "decode":
+            worker = min(candidates, key=lambda w: (w.outstanding, -w.free_kv_blocks))
+        else:
+            worker = min(candidates, key=lambda w: w.outstanding)
+        worker.outstanding += load
+        try:
+            yield worker
+        finally:
+            worker.outstanding -= load
+
+    async def refresh_stats(self, timeout: float = 2.0) -> None:
+        """Ping every worker for its stats; a worker that does not answer is marked dead."""
+        async def one(worker: WorkerHandle) -> None:
+            try:
+                stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout)
+                worker.free_kv_blocks, worker.alive = stats.num_free_kv_blocks, True
+            except Exception:  # a dead actor, a timeout: either way it cannot take requests now
+                if worker.alive:
+                    log.warning("worker %s is not answering", worker.name)
+                worker.alive = False
+
+        await asyncio.gather(*(one(w) for w in self.workers.values()))
+
+    async def stats(self, timeout: float = 2.0) -> list:
+        async def one(worker: WorkerHandle):
+            try:
+                return await asyncio.wait_for(worker.actor.stats.remote(), timeout)
+            except Exception:
+                return None
+
+        return [s for s in await asyncio.gather(*(one(w) for w in self.workers.values())) if s is not None]

@@ -1,0 +1,59 @@
+"""Test harness: a simulated multi-node Ray cluster, pdserve workers on it, and the router on a real
+uvicorn server over loopback (in a thread of the test process, which is the Ray driver)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import ray
+import uvicorn
+from ray.cluster_utils import Cluster
+
+from router.app import create_app
+from router.launcher import ClusterSpec, build_router_state, start_workers, stop_workers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def two_node_cluster(num_prefill_slots: int = 2, num_decode_slots: int = 2):
+    """Head (no roles), one node with `pd_prefill`, one with `pd_decode`: KV crosses nodes."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    prefill_node = cluster.add_node(num_cpus=1, resources={"pd_prefill": num_prefill_slots})
+    decode_node = cluster.add_node(num_cpus=1, resources={"pd_decode": num_decode_slots})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="pdserve-test", logging_level="WARNING")
+    try:
+        yield cluster, prefill_node.node_id, decode_node.node_id
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@contextlib.contextmanager
+def router_server(spec: ClusterSpec, model_name: str = "test-model", api_key: str | None = None):
+    """Start the spec's workers, serve the router on a free loopback port; yields (base_url, actors, state)."""
+    actors = start_workers(spec, local=False)
+    state = build_router_state(spec, model_name, api_key)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the router did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", actors, state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        stop_workers(actors)
