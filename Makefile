@@ -15,8 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	# Until the Ray cluster lands, `make serve` runs the engine offline on the embedded tiny model.
-	$(VENV)/bin/pdserve generate --model tiny --prompt "Once upon a time" --prompt "The cat sat on"
+	$(VENV)/bin/pdserve serve --model tiny
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""The `pdserve` command: make-model and generate (offline).
+"""The `pdserve` command: serve (the cluster and its router), make-model, and generate (offline).
 
 Subcommands import what they need when they run, so this module imports no torch.
 """
@@ -6,8 +6,10 @@ Subcommands import what they need when they run, so this module imports no torch
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 PRESETS = ("tiny", "small", "1b")
 
@@ -37,6 +39,32 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                       help="weight dtype on disk (default: the preset's)")
 
+    serve = sub.add_parser("serve", help="start (or join) Ray, create the workers, serve the OpenAI API")
+    serve.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: the folder name)")
+    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    serve.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    serve.add_argument("--prefill", type=_positive_int, default=1, help="prefill workers (disaggregated)")
+    serve.add_argument("--decode", type=_positive_int, default=1, help="decode workers (disaggregated)")
+    serve.add_argument("--workers", type=_positive_int, default=2, help="workers (colocated)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--address", default=None, help="join a Ray cluster (auto or HOST:PORT); default: start one")
+    serve.add_argument("--namespace", default="pdserve")
+    serve.add_argument("--prefill-resource", default="pd_prefill")
+    serve.add_argument("--decode-resource", default="pd_decode")
+    serve.add_argument("--max-model-len", type=_positive_int, default=None)
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    serve.add_argument("--block-size", type=_positive_int, default=16)
+    serve.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    serve.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--no-pin-cpus", action="store_true", help="do not pin each local worker to its own cores")
+    serve.add_argument("--detached", action="store_true", help="workers outlive this process")
+    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                       help="require this Bearer key (default: $PDSERVE_API_KEY; none: open)")
+
     gen = sub.add_parser("generate", help="generate offline with the engine (no Ray, no HTTP)")
     gen.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
@@ -45,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     return parser
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {text}")
+    return value
 
 
 def resolve_model(name: str) -> str:
@@ -59,6 +94,23 @@ def resolve_model(name: str) -> str:
             write_model(name, folder, seed=0)
         return str(folder)
     return name
+
+
+def serve(args: argparse.Namespace) -> None:
+    from router.launcher import ClusterSpec
+    from router.launcher import serve as run
+
+    model = resolve_model(args.model)
+    options = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                   max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                   kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len,
+                   enable_prefix_caching=not args.no_prefix_caching)
+    spec = ClusterSpec(model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
+                       num_colocated=args.workers, namespace=args.namespace, prefill_resource=args.prefill_resource,
+                       decode_resource=args.decode_resource, engine_options=options, pin_cpus=not args.no_pin_cpus,
+                       detached=args.detached)
+    address = None if args.address is None else args.address
+    run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, args.api_key)
 
 
 def make_model(args: argparse.Namespace) -> None:
@@ -85,8 +137,8 @@ def generate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"make-model": make_model, "generate": generate}[args.command](args)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:  # CheckpointError is a ValueError
+        {"serve": serve, "make-model": make_model, "generate": generate}[args.command](args)
+    except (ValueError, RuntimeError, FileNotFoundError, FileExistsError) as error:  # CheckpointError: ValueError
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2)
 

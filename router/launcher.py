@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -162,7 +163,13 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
         app = create_app(build_router_state(spec, model_name, api_key))
         log.warning("pdserve: %s mode, serving %s on http://%s:%d", spec.mode, model_name, host, port)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-        asyncio.run(uvicorn.Server(config).serve())  # uvicorn handles SIGINT/SIGTERM and returns
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the
+        # handlers it found: make SIGTERM, like SIGINT, unwind into the cleanup below.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            asyncio.run(uvicorn.Server(config).serve())
+        except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal
+            log.warning("pdserve: shutting down")
     finally:
         if not spec.detached:
             stop_workers(actors)
