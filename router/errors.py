@@ -41,7 +41,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = first.get("msg", "invalid request body")
+        message = first.get("msg", "invalid request body").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message = "request body is not valid JSON"
         return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", loc[0] if loc else None).response()

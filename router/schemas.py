@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from services.sampling_params import SamplingParams
 
@@ -62,11 +62,12 @@ class SamplingFields(BaseModel):
                 raise ValueError("keys must be token ids and values finite numbers")
         return value
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream: true")
-        return self
+        return value
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -111,8 +112,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs: true")
-        return self
+        return value

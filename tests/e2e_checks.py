@@ -1,0 +1,136 @@
+"""End-to-end checks shared by the disaggregated and colocated test modules: greedy HTTP output
+(streamed and not) equals the single-engine output, the openai client works, concurrent streams
+stay separate, and a client disconnect frees the decode worker's KV."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import ray
+
+from services import Engine, SamplingParams
+
+# Block size is 16: shorter than one block, exactly one block, many blocks.
+PROMPT_LENGTHS = (5, 16, 100)
+
+
+def prompts(vocab_low: int, vocab_high: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[1] + [rng.randrange(vocab_low, vocab_high) for _ in range(n - 1)] for n in PROMPT_LENGTHS]
+
+
+def solo_outputs(model: str, token_prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    engine = Engine(model=model)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(token_prompts, params)]
+
+
+def completion(url: str, prompt, max_tokens: int, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed_text(url: str, prompt, max_tokens: int, **extra) -> tuple[str, list[dict]]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return text, chunks
+
+
+def check_greedy_matches_engine(url: str, model: str, token_prompts: list[list[int]], tokenizer) -> None:
+    want = solo_outputs(model, token_prompts, 20)
+    for prompt, expected in zip(token_prompts, want):
+        body = completion(url, prompt, 20, logprobs=0)
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert choice["text"] == tokenizer.decode(expected)
+        assert len(choice["logprobs"]["tokens"]) == 20
+        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 20, "total_tokens":
+                                 len(prompt) + 20, "prompt_tokens_details": {"cached_tokens":
+                                                                            body["usage"]["prompt_tokens_details"]
+                                                                            ["cached_tokens"]}}
+        text, chunks = streamed_text(url, prompt, 20)
+        assert text == choice["text"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]].count("length") == 1
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20
+
+
+def check_openai_client(url: str, model_name: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+    c = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 8
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=model_name, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if ch.choices)
+    assert streamed == c.choices[0].text
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    parts = list(client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,
+                                                stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    try:
+        client.completions.create(model=model_name, prompt="x", max_tokens=4, temperature=-1)
+        raise AssertionError("temperature -1 was accepted")
+    except openai.BadRequestError as error:
+        assert error.status_code == 400 and error.body["param"] == "temperature"
+
+
+def check_concurrent_streams(url: str, token_prompts: list[list[int]], num_streams: int = 32) -> None:
+    prompts_ = [token_prompts[i % len(token_prompts)][: 3 + i] for i in range(num_streams)]
+    solo = [completion(url, p, 12)["choices"][0]["text"] for p in prompts_[:4]]
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(p):
+                body = {"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+                pieces = []
+                async with client.stream("POST", url + "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                return "".join(pieces)
+
+            return await asyncio.gather(*(one(p) for p in prompts_))
+
+    texts = asyncio.run(run_all())
+    assert texts[:4] == solo
+    non_streamed = [completion(url, p, 12)["choices"][0]["text"] for p in prompts_[4:]]
+    assert texts[4:] == non_streamed
+
+
+def check_disconnect_frees_kv(url: str, decode_actors: list) -> None:
+    body = {"prompt": [1] + list(range(10, 60)), "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert got
+        busy = [ray.get(a.stats.remote()) for a in decode_actors]
+        assert any(s.num_free_kv_blocks < s.num_kv_blocks for s in busy)
+    deadline = time.monotonic() + 15
+    while True:
+        stats = [ray.get(a.stats.remote()) for a in decode_actors]
+        if all(s.num_free_kv_blocks == s.num_kv_blocks and s.num_running == 0 for s in stats):
+            return
+        assert time.monotonic() < deadline, f"KV still held after the client left: {stats}"
+        time.sleep(0.2)

@@ -1,0 +1,37 @@
+"""Colocated mode (every worker prefills and decodes) passes the same end-to-end checks."""
+
+from __future__ import annotations
+
+import e2e_checks as checks
+import pytest
+from cluster_harness import router_server, two_node_cluster
+
+from router.launcher import ClusterSpec
+from services.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path):
+    with two_node_cluster(num_decode_slots=2) as _:
+        spec = ClusterSpec(model=str(tiny_path), mode="colocated", num_colocated=2, namespace="pd-colo",
+                           engine_options={"num_threads": 1, "max_num_seqs": 32})
+        with router_server(spec) as (url, actors, _):
+            yield url, actors, str(tiny_path)
+
+
+def test_greedy_over_http_equals_single_engine(server):
+    url, _, model = server
+    checks.check_greedy_matches_engine(url, model, checks.prompts(3, 500), Tokenizer.from_folder(model))
+
+
+def test_openai_client(server):
+    checks.check_openai_client(server[0], "test-model")
+
+
+def test_concurrent_streams(server):
+    checks.check_concurrent_streams(server[0], checks.prompts(3, 500))
+
+
+def test_disconnect_frees_kv(server):
+    url, actors, _ = server
+    checks.check_disconnect_frees_kv(url, actors)
