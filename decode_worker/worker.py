@@ -13,6 +13,7 @@ import time
 
 import ray
 
+from services.kv_transport import TRANSPORTS
 from services.protocol import DecodeRequest, TokenDelta, WorkerStats
 from services.scheduler import SampledToken
 from services.worker_runtime import WorkerSpec, start_engine, worker_stats
@@ -24,26 +25,26 @@ class DecodeWorker:
         self.engine = start_engine(spec)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self.kv_transfers: list[tuple[float, int]] = []  # (seconds, bytes) since the last drain
+        self.transport = TRANSPORTS[spec.kv_transport]()
 
-    async def generate(self, request: DecodeRequest, kv_refs: list | None):
+    async def generate(self, request: DecodeRequest, kv_handle: object | None):
         """Yield TokenDelta items until the request finishes (a Ray streaming generator).
 
-        `kv_refs` is `[ObjectRef of a KVPayload]` (disaggregated) or None (prefill here). The ref
-        arrives wrapped so this worker fetches it and the store can free it once it is copied.
+        `kv_handle` comes from the KV transport (disaggregated mode), or is None: prefill here.
         """
         rid = request.request_id
-        if kv_refs is None:
+        if kv_handle is None:
             def add(engine):
                 engine.add_request(rid, request.prompt_token_ids, request.params)
         else:
             start = time.perf_counter()
-            held = [await kv_refs[0]]  # Ray moves the object to this node; numpy reads it in place
+            held = [await self.transport.fetch(kv_handle)]
             self.kv_transfers.append((time.perf_counter() - start, held[0].num_bytes))
             first = SampledToken(request.first_token_id, request.first_logprobs)
 
             def add(engine):  # pop: once the engine has copied the KV nothing here keeps it alive
                 engine.add_prefilled(rid, request.prompt_token_ids, first, request.params, held.pop())
-        del kv_refs
+        del kv_handle
         stream = self.engine.submit(rid, add)
         finished = False
         try:

@@ -1,8 +1,8 @@
 """Runs one request's two phases: prefill on a prefill worker, then decode on a decode worker.
 
 The first token is yielded as soon as the prefill's metadata arrives, while the KV object is still
-on its way. The KV reference is owned here and passed to the decode worker wrapped in a list, so
-the worker fetches it itself and the object store frees it once the worker has copied it.
+on its way. The KV reference is owned here and reaches the decode worker as an opaque handle of
+the KV transport; the router drops its reference as soon as the decode worker has the KV.
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from collections.abc import AsyncIterator
 import ray
 
 from router.worker_pool import WorkerPool
+from services.kv_transport import KVTransport, ObjectStoreTransport
 from services.metrics import METRICS
 from services.protocol import DecodeRequest, PrefillRequest, TokenDelta
 from services.sampling_params import SamplingParams
 
 
 class Orchestrator:
-    def __init__(self, pool: WorkerPool, mode: str) -> None:
+    def __init__(self, pool: WorkerPool, mode: str, transport: KVTransport | None = None) -> None:
         assert mode in ("disaggregated", "colocated")
         self.pool = pool
         self.mode = mode
+        self.transport = transport or ObjectStoreTransport()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[TokenDelta]:
@@ -44,16 +46,17 @@ class Orchestrator:
         if done:
             return  # kv_ref goes out of scope here and the object is freed
         request = DecodeRequest(request_id, prompt_token_ids, params, meta.first_token_id, meta.first_logprobs)
-        kv_refs = [kv_ref]
+        kv_handle = [self.transport.handle(kv_ref)]
         del kv_ref
         with self.pool.claim("decode", 1) as worker:
-            async for delta in self._decode(worker.actor, request, kv_refs):
-                kv_refs.clear()  # the worker holds the KV now: drop the router's reference
+            async for delta in self._decode(worker.actor, request, kv_handle):
+                kv_handle.clear()  # the worker holds the KV now: drop the router's reference
                 yield delta
 
-    async def _decode(self, actor, request: DecodeRequest, kv_refs: list | None) -> AsyncIterator[TokenDelta]:
+    async def _decode(self, actor, request: DecodeRequest, kv_handle: list | None) -> AsyncIterator[TokenDelta]:
+        """`kv_handle` is `[handle]` (a list, so the caller can drop its reference mid-stream) or None."""
         start = time.perf_counter()
-        stream = actor.generate.remote(request, kv_refs)
+        stream = actor.generate.remote(request, kv_handle[0] if kv_handle else None)
         finished = False
         try:
             async for ref in stream:

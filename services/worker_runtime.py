@@ -18,6 +18,7 @@ class WorkerSpec:
     model: str
     engine_options: dict[str, object] = field(default_factory=dict)
     cpu_ids: tuple[int, ...] | None = None  # pin the process here and use one torch thread each
+    kv_transport: str = "object_store"  # a key of services.kv_transport.TRANSPORTS
 
 
 def start_engine(spec: WorkerSpec) -> AsyncEngine:

@@ -119,3 +119,28 @@ def test_bad_requests_get_openai_errors(tiny_server):
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
     assert "maximum context length is" in httpx.post(url + "/v1/completions", json=cases[3][0]).json()["error"][
         "message"]
+
+
+def test_kv_object_is_freed_mid_stream_once_the_decode_worker_has_it(tiny_server):
+    import asyncio
+
+    from router.orchestrator import Orchestrator
+    from router.worker_pool import WorkerPool
+
+    pool = WorkerPool("pd-tiny")
+    pool.discover()
+    orchestrator = Orchestrator(pool, "disaggregated")
+    prompt = [1] + [5 + i % 400 for i in range(1900)]  # ~2 MB of KV
+    seen = []
+
+    async def run():
+        async for delta in orchestrator.generate("mid-stream", prompt, SamplingParams(max_tokens=30, temperature=0,
+                                                                                       ignore_eos=True)):
+            seen.append(delta)
+            if len(seen) == 1:  # the first token came from prefill: the KV waits in the store
+                assert _plasma_bytes() >= 2**20
+            if len(seen) == 4:
+                assert _plasma_bytes() < 2**20  # the KV object is gone while the stream goes on
+
+    asyncio.run(run())
+    assert sum(len(d.token_ids) for d in seen) == 30 and seen[-1].finish_reason == "length"
