@@ -1,8 +1,9 @@
 """Runs one request's two phases: prefill on a prefill worker, then decode on a decode worker.
 
 The first token is yielded as soon as the prefill's metadata arrives, while the KV object is still
-on its way. The KV reference is owned here and reaches the decode worker as an opaque handle of
-the KV transport; the router drops its reference as soon as the decode worker has the KV.
+on its way. The KV reference is owned here; it reaches the decode worker as an opaque handle of the
+KV transport in a short `admit` call, so the object is freed once the worker has copied it, while
+`generate` streams the tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Orchestrator:
         request = DecodeRequest(request_id, prompt_token_ids, params)
         if self.mode == "colocated":
             with self.pool.claim("decode", 1) as worker:
-                async for delta in self._decode(worker.actor, request, None):
+                async for delta in self._decode(worker.actor, request):
                     yield delta
             return
         with self.pool.claim("prefill", len(prompt_token_ids)) as worker:
@@ -46,17 +47,16 @@ class Orchestrator:
         if done:
             return  # kv_ref goes out of scope here and the object is freed
         request = DecodeRequest(request_id, prompt_token_ids, params, meta.first_token_id, meta.first_logprobs)
-        kv_handle = [self.transport.handle(kv_ref)]
-        del kv_ref
         with self.pool.claim("decode", 1) as worker:
-            async for delta in self._decode(worker.actor, request, kv_handle):
-                kv_handle.clear()  # the worker holds the KV now: drop the router's reference
+            # admit (fetch + copy the KV) and generate are sent back to back; the worker pairs them.
+            worker.actor.admit.remote(request, self.transport.handle(kv_ref))
+            del kv_ref  # the admit call holds the KV until the worker has copied it
+            async for delta in self._decode(worker.actor, request):
                 yield delta
 
-    async def _decode(self, actor, request: DecodeRequest, kv_handle: list | None) -> AsyncIterator[TokenDelta]:
-        """`kv_handle` is `[handle]` (a list, so the caller can drop its reference mid-stream) or None."""
+    async def _decode(self, actor, request: DecodeRequest) -> AsyncIterator[TokenDelta]:
         start = time.perf_counter()
-        stream = actor.generate.remote(request, kv_handle[0] if kv_handle else None)
+        stream = actor.generate.remote(request)
         finished = False
         try:
             async for ref in stream:
