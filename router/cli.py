@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--namespace", default="pdserve")
     serve.add_argument("--prefill-resource", default="pd_prefill")
     serve.add_argument("--decode-resource", default="pd_decode")
+    serve.add_argument("--prefill-labels", type=_labels, default=None,
+                       help="place prefill workers by node labels instead, e.g. pdserve/role=prefill")
+    serve.add_argument("--decode-labels", type=_labels, default=None,
+                       help="place decode workers by node labels instead, e.g. pdserve/role=decode")
     serve.add_argument("--max-model-len", type=_positive_int, default=None)
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
@@ -82,6 +86,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _labels(text: str) -> dict[str, str]:
+    pairs = [p.split("=", 1) for p in text.split(",") if p]
+    if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+        raise argparse.ArgumentTypeError(f"labels must look like key=value[,key=value], got {text!r}")
+    return dict(pairs)
+
+
 def resolve_model(name: str) -> str:
     """A preset name becomes its cached folder (written on first use); anything else is a path."""
     if name in PRESETS:
@@ -107,7 +118,8 @@ def serve(args: argparse.Namespace) -> None:
                    enable_prefix_caching=not args.no_prefix_caching)
     spec = ClusterSpec(model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
                        num_colocated=args.workers, namespace=args.namespace, prefill_resource=args.prefill_resource,
-                       decode_resource=args.decode_resource, engine_options=options, pin_cpus=not args.no_pin_cpus,
+                       decode_resource=args.decode_resource, prefill_labels=args.prefill_labels,
+                       decode_labels=args.decode_labels, engine_options=options, pin_cpus=not args.no_pin_cpus,
                        detached=args.detached)
     address = None if args.address is None else args.address
     run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, args.api_key)

@@ -34,6 +34,9 @@ class ClusterSpec:
     namespace: str = "pdserve"
     prefill_resource: str = "pd_prefill"
     decode_resource: str = "pd_decode"
+    # Place by node labels instead of resources (e.g. {"pdserve/role": "prefill"}); None: by resource.
+    prefill_labels: dict[str, str] | None = None
+    decode_labels: dict[str, str] | None = None
     engine_options: dict[str, object] = field(default_factory=dict)
     pin_cpus: bool = True  # on one host: give each worker its own cores
     detached: bool = False  # workers outlive this process (a router restart keeps them)
@@ -46,6 +49,9 @@ class ClusterSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         EngineConfig(model=self.model, **self.engine_options)  # refuse bad engine options up front
+
+    def labels(self, role: str) -> dict[str, str] | None:
+        return self.prefill_labels if role == "prefill" else self.decode_labels
 
     def roles(self) -> list[tuple[str, str, str]]:
         """(worker name, role, Ray resource) for every worker, prefill first."""
@@ -68,7 +74,13 @@ def validate_topology(spec: ClusterSpec) -> None:
     ModelConfig.from_folder(spec.model)
     totals = ray.cluster_resources()
     needed: dict[str, int] = {}
-    for _, _, resource in spec.roles():
+    for _, role, resource in spec.roles():
+        labels = spec.labels(role)
+        if labels is not None:
+            if not any(labels.items() <= node.get("Labels", {}).items() for node in ray.nodes() if node["Alive"]):
+                raise RuntimeError(f"no live node has the labels {labels} that the {role} workers select; start "
+                                   f"nodes with ray start --labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+            continue
         needed[resource] = needed.get(resource, 0) + 1
     for resource, count in needed.items():
         have = totals.get(resource, 0)
@@ -97,8 +109,11 @@ def start_workers(spec: ClusterSpec, local: bool) -> list:
     actors = []
     for (name, role, resource), cpus in zip(roles, groups):
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        options = dict(name=name, namespace=spec.namespace, resources={resource: 1}, num_cpus=0,
-                       max_concurrency=1000, get_if_exists=False)
+        options = dict(name=name, namespace=spec.namespace, num_cpus=0, max_concurrency=1000)
+        if spec.labels(role) is not None:
+            options["label_selector"] = dict(spec.labels(role))
+        else:
+            options["resources"] = {resource: 1}
         if spec.detached:
             options["lifetime"] = "detached"
         worker_spec = WorkerSpec(name, role, spec.model, dict(spec.engine_options), cpus)
