@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.detokenizer import IncrementalDetokenizer
 from services.protocol import TokenDelta
 from services.sampling_params import SamplingParams
-from services.stop_checker import StopChecker
+from services.text_stream import TextStream
 from services.tokenizer import Tokenizer
 
 
@@ -28,33 +27,25 @@ class ChoiceState:
     tokenizer: Tokenizer
     params: SamplingParams
     prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer = field(init=False)
-    stop_checker: StopChecker = field(init=False)
+    stream: TextStream = field(init=False)
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     finish_reason: str | None = None
     num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids,
-                                                  self.params.skip_special_tokens)
-        self.stop_checker = StopChecker(self.params.stop, self.params.include_stop_str_in_output)
+        self.stream = TextStream(self.tokenizer, self.prompt_token_ids, self.params)
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
 
     def update(self, delta: TokenDelta) -> ChoiceUpdate:
         """Consume one delta. A completed stop string sets `finish_reason` to "stop" before the
         workers know: the caller then closes the stream, which aborts the request."""
         self.token_ids += delta.token_ids
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        new_text = self.detokenizer.push(delta.token_ids)
-        if delta.finish_reason is not None:
-            new_text += self.detokenizer.flush()
-        emitted, stopped = self.stop_checker.feed(new_text)
-        if stopped:
-            self.finish_reason = "stop"
-        elif delta.finish_reason is not None:
-            emitted += self.stop_checker.flush()
-            self.finish_reason = delta.finish_reason
-        self.text += emitted
+        emitted = self.stream.feed(delta.token_ids, delta.finish_reason is not None)
+        self.finish_reason = "stop" if self.stream.stopped else delta.finish_reason
         return ChoiceUpdate(self.index, emitted, delta.token_ids, delta.logprobs, self.finish_reason)
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from services.block_manager import BlockManager
 from services.checkpoint import load_weights
-from services.detokenizer import IncrementalDetokenizer
 from services.engine_config import EngineConfig
 from services.kv_payload import KVPayload
 from services.model_config import ModelConfig
@@ -19,7 +19,7 @@ from services.request_output import RequestOutput, StepOutput
 from services.sampling_params import SamplingParams
 from services.scheduler import SampledToken, Scheduler, SchedulerConfig
 from services.sequence import FinishReason, Sequence
-from services.stop_checker import StopChecker
+from services.text_stream import TextStream
 from services.tokenizer import Tokenizer
 
 
@@ -52,14 +52,16 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    export_kv: bool = False) -> None:
-        """Queue a request. Text is tokenized (with BOS); token ids are used exactly as given.
-        With `export_kv`, the step that finishes the prompt also returns its KV (prefill side)."""
+                    export_kv: bool = False) -> list[int]:
+        """Queue a request; returns its prompt token ids. Text is tokenized (with BOS); token ids
+        are used exactly as given. With `export_kv`, the step that finishes the prompt also returns
+        its KV (prefill side)."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_length(token_ids, params)
         seq = self._sequence(request_id, token_ids, params)
         seq.export_kv = export_kv
         self.scheduler.add(seq)
+        return token_ids
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first: SampledToken,
                       params: SamplingParams, kv: KVPayload) -> None:
@@ -127,46 +129,42 @@ class Engine:
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         base = next(self._arrivals)
-        states: dict[str, _TextState] = {}
+        results: dict[str, _Collected] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             request_id = f"generate-{base}-{i}"
-            self.add_request(request_id, prompt, p)
-            seq = self.scheduler.waiting[-1]
-            states[request_id] = _TextState(self.tokenizer, seq, p)
+            prompt_ids = self.add_request(request_id, prompt, p)
+            results[request_id] = _Collected(request_id, prompt_ids, p, TextStream(self.tokenizer, prompt_ids, p))
         while self.has_unfinished_requests:
             for out in self.step():
-                state = states.get(out.request_id)
-                if state is not None and state.consume(out):
+                result = results.get(out.request_id)
+                if result is not None and result.add(out):
                     self.scheduler.abort(out.request_id, FinishReason.STOP)
-        return [state.result() for state in states.values()]
+        return [r.output() for r in results.values()]
 
 
-class _TextState:
-    """Detokenizes one request incrementally and applies its stop strings."""
+@dataclass(slots=True)
+class _Collected:
+    """One `generate` request's tokens and text as its step outputs arrive."""
 
-    def __init__(self, tokenizer: Tokenizer, seq: Sequence, params: SamplingParams) -> None:
-        self.seq = seq
-        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids[:], params.skip_special_tokens)
-        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
-        self.text = ""
-        self.stopped_on_string = False
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    text: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
 
-    def consume(self, out: StepOutput) -> bool:
-        """Add one step's tokens; True when a stop string ended the request."""
-        new_text = self.detokenizer.push(out.new_token_ids)
-        if out.finish_reason is not None:
-            new_text += self.detokenizer.flush()  # a character cut in half by the end
-        emitted, stopped = self.stop_checker.feed(new_text)
-        self.text += emitted
-        if stopped:
-            self.stopped_on_string = True
-        elif out.finish_reason is not None:
-            self.text += self.stop_checker.flush()
-        return stopped and out.finish_reason is None
+    def add(self, out: StepOutput) -> bool:
+        """Add one step's output; True when a stop string ends the request before the engine does."""
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs or []
+        self.num_cached_tokens = out.num_cached_tokens
+        self.text.feed(out.new_token_ids, out.finish_reason is not None)
+        self.finish_reason = "stop" if self.text.stopped else out.finish_reason
+        return self.text.stopped and out.finish_reason is None
 
-    def result(self) -> RequestOutput:
-        seq = self.seq
-        reason = "stop" if self.stopped_on_string else seq.finish_reason.value
-        return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids,
-                             self.text, reason, seq.output_logprobs if seq.params.logprobs is not None else None,
-                             seq.num_cached_tokens)
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text.text,
+                             self.finish_reason, self.logprobs if self.params.logprobs is not None else None,
+                             self.num_cached_tokens)

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE_SERVICES = ["sequence", "block_manager", "scheduler", "protocol", "kv_payload", "sampling_params", "model_config",
-                       "engine_config", "tokenizer", "detokenizer", "stop_checker", "request_output", "errors"]
+                       "engine_config", "tokenizer", "detokenizer", "stop_checker", "text_stream", "request_output", "errors"]
 
 
 def router_modules() -> list[str]:
