@@ -61,7 +61,7 @@ class Engine:
         seq = self._sequence(request_id, token_ids, params)
         seq.export_kv = export_kv
         self.scheduler.add(seq)
-        return token_ids
+        return token_ids[:]  # the sequence's own list grows with the output
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first: SampledToken,
                       params: SamplingParams, kv: KVPayload) -> None:
