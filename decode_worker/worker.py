@@ -43,10 +43,13 @@ class DecodeWorker:
             start = time.perf_counter()
             held = [await self.transport.fetch(kv_handle)]
             self.kv_transfers.append((time.perf_counter() - start, held[0].num_bytes))
+            # The checksum pass runs in a thread: neither this event loop nor the step loop waits.
+            await asyncio.to_thread(self.engine.engine.verify_kv, held[0])
             first = SampledToken(request.first_token_id, request.first_logprobs)
 
             def add(engine):  # pop: once the engine has copied the KV nothing here keeps it alive
-                engine.add_prefilled(rid, request.prompt_token_ids, first, request.params, held.pop())
+                engine.add_prefilled(rid, request.prompt_token_ids, first, request.params, held.pop(),
+                                     verified=True)
 
             admission.set_result(self.engine.submit(rid, add))
         except Exception as error:

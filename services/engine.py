@@ -64,20 +64,27 @@ class Engine:
         return token_ids[:]  # the sequence's own list grows with the output
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first: SampledToken,
-                      params: SamplingParams, kv: KVPayload) -> None:
+                      params: SamplingParams, kv: KVPayload, verified: bool = False) -> None:
         """Queue a request whose prompt was prefilled elsewhere: `kv` holds the prompt's KV and
-        `first` the token sampled from it. It joins the running batch once blocks are free."""
+        `first` the token sampled from it. It joins the running batch once blocks are free.
+        `verified=True` skips the checksum pass when the caller already did `verify_kv(kv)`."""
         self._check_length(prompt_token_ids, params)
         if kv.num_tokens != len(prompt_token_ids):
             raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
-        c = self.model_config  # checked here, so a corrupt payload fails only its own request
-        kv.verify(c.num_layers, c.num_kv_heads, c.head_dim, str(self.dtype).removeprefix("torch."))
+        if not verified:  # checked here, so a corrupt payload fails only its own request
+            self.verify_kv(kv)
         seq = self._sequence(request_id, list(prompt_token_ids) + [first.token_id], params)
         seq.num_prompt_tokens = len(prompt_token_ids)
         if first.logprobs is not None:
             seq.output_logprobs.append(first.logprobs)
         seq.kv_payload = kv
         self.scheduler.add(seq)
+
+    def verify_kv(self, kv: KVPayload) -> None:
+        """Raise KVTransferError unless `kv` fits this engine's pool and its checksum holds.
+        Reads only configuration, so it may run on any thread."""
+        c = self.model_config
+        kv.verify(c.num_layers, c.num_kv_heads, c.head_dim, str(self.dtype).removeprefix("torch."))
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None

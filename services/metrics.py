@@ -59,11 +59,12 @@ class Metrics:
         self.num_requests_running.labels(w).set(stats.num_running)
         self.num_requests_waiting.labels(w).set(stats.num_waiting)
         self.kv_cache_usage_perc.labels(w).set(1 - stats.num_free_kv_blocks / max(1, stats.num_kv_blocks))
-        for counter, name, total in ((self.prefix_cache_queries, "q", stats.num_prefix_queries),
-                                     (self.prefix_cache_hits, "h", stats.num_prefix_hits)):
+        for counter, name, total in ((self.prefix_cache_queries.labels(w), "q", stats.num_prefix_queries),
+                                     (self.prefix_cache_hits.labels(w), "h", stats.num_prefix_hits),
+                                     (self.kv_transfer_failures, "f", stats.kv_transfer_failures)):
             delta = total - self._seen.get((w, name), 0)
             if delta > 0:  # the worker's totals are cumulative; Prometheus counters only go up
-                counter.labels(w).inc(delta)
+                counter.inc(delta)
             self._seen[(w, name)] = total
         for seconds, num_bytes in stats.kv_transfers:
             self.kv_transfer_seconds.observe(seconds)

@@ -152,3 +152,47 @@ def test_kv_object_is_freed_mid_stream_once_the_decode_worker_has_it(tiny_server
                 return  # closing the stream here aborts the request
 
     asyncio.run(run())
+
+
+def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
+    import numpy as np
+
+    from services.protocol import DecodeRequest
+
+    url, actors, _ = tiny_server
+    prefill, decode = actors
+    prompt = [1, 5, 6, 7]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    meta_ref, kv_ref = prefill.prefill.options(num_returns=2).remote(PrefillRequest("bad", prompt, params))
+    meta, kv = ray.get([meta_ref, kv_ref])
+    data = kv.data.copy()
+    data.reshape(-1).view(np.uint8)[100] ^= 1
+    bad = KVPayload(data, kv.dtype, kv.checksum)
+    request = DecodeRequest("bad", prompt, params, meta.first_token_id, meta.first_logprobs)
+    with pytest.raises(ray.exceptions.RayTaskError, match="checksum mismatch"):
+        ray.get(decode.admit.remote(request, [ray.put(bad)]))
+    with pytest.raises(ray.exceptions.RayTaskError, match="checksum mismatch"):
+        for ref in decode.generate.remote(request):
+            ray.get(ref)
+    assert ray.get(decode.stats.remote()).kv_transfer_failures == 1
+    assert checks.completion(url, prompt, 5)["choices"][0]["finish_reason"] == "length"  # others go on
+
+
+def test_metrics_endpoint_reports_router_and_worker_series(tiny_server):
+    import time
+
+    url, _, _ = tiny_server
+    checks.completion(url, [1, 2, 3, 4], 4)
+    deadline = time.monotonic() + 10
+    while True:  # worker series arrive with the router's next stats poll (every second)
+        text = httpx.get(url + "/metrics").text
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                  if line and not line.startswith("#")}
+        if values.get("pdserve:kv_transfer_bytes_count", 0) > 0:
+            break
+        assert time.monotonic() < deadline, "no KV transfer reached the metrics"
+        time.sleep(0.2)
+    assert values["pdserve:time_to_first_token_seconds_count"] >= 1
+    assert values['pdserve:workers_alive{role="prefill"}'] == 1
+    assert values['pdserve:workers_alive{role="decode"}'] == 1
+    assert values['pdserve:request_success_total{finished_reason="length"}'] >= 1

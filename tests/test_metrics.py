@@ -1,0 +1,36 @@
+"""Worker reports become Prometheus series with vLLM's names under the pdserve: prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from services.metrics import Metrics
+from services.protocol import WorkerStats
+
+
+def stats(**overrides) -> WorkerStats:
+    base = dict(worker_id="decode-0", role="decode", node_id="n", num_running=3, num_waiting=1, num_kv_blocks=100,
+                num_free_kv_blocks=75, num_tokens_processed=10, num_prefix_queries=64, num_prefix_hits=32,
+                num_steps=5, kv_transfers=((0.002, 4096), (0.004, 8192)), kv_transfer_failures=1)
+    return WorkerStats(**{**base, **overrides})
+
+
+def sample(metrics: Metrics, name: str, labels: dict | None = None) -> float:
+    return metrics.registry.get_sample_value(name, labels or {})
+
+
+def test_worker_report_sets_gauges_and_increments_counters_by_the_delta():
+    m = Metrics()
+    m.record_worker(stats())
+    assert sample(m, "pdserve:num_requests_running", {"worker": "decode-0"}) == 3
+    assert sample(m, "pdserve:kv_cache_usage_perc", {"worker": "decode-0"}) == 0.25
+    assert sample(m, "pdserve:prefix_cache_hits_total", {"worker": "decode-0"}) == 32
+    assert sample(m, "pdserve:kv_transfer_bytes_count") == 2 and sample(m, "pdserve:kv_transfer_bytes_sum") == 12288
+    assert sample(m, "pdserve:kv_transfer_failures_total") == 1
+    m.record_worker(stats(num_prefix_hits=40, kv_transfers=(), kv_transfer_failures=1))
+    assert sample(m, "pdserve:prefix_cache_hits_total", {"worker": "decode-0"}) == 40
+    assert sample(m, "pdserve:kv_transfer_failures_total") == 1
+    text = generate_latest(m.registry).decode()
+    for name in ("pdserve:time_to_first_token_seconds_bucket", "pdserve:inter_token_latency_seconds_bucket",
+                 "pdserve:e2e_request_latency_seconds_bucket", "pdserve:request_success_total"):
+        assert name in text or name.replace("_bucket", "") in text
