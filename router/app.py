@@ -48,24 +48,17 @@ def create_app(state: RouterState) -> FastAPI:
     app.state.router = state
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def boundary(request: Request, call_next):
-        request_id = request.headers.get("x-request-id") or completions.new_request_id()
-        request.state.request_id = request_id
-        error = _check_boundary(state, request)
-        response = error.response() if error else await call_next(request)
-        response.headers["X-Request-Id"] = request_id
-        return response
+    app.add_middleware(BoundaryMiddleware, state=state)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         prep = completions.prepare_completion(state, body, request.state.request_id)
-        return await _respond(state, prep)
+        return await _respond(state, prep, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         prep = completions.prepare_chat(state, body, request.state.request_id)
-        return await _respond(state, prep)
+        return await _respond(state, prep, request)
 
     @app.get("/v1/models")
     async def models():
@@ -89,23 +82,56 @@ def create_app(state: RouterState) -> FastAPI:
     return app
 
 
-def _check_boundary(state: RouterState, request: Request) -> APIError | None:
-    if request.url.path.startswith("/v1/") and state.api_key is not None:
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {state.api_key}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            return APIError(401, "Invalid or missing API key.")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-        return APIError(413, f"request body is larger than {state.max_body_bytes} bytes")
-    return None
+class BoundaryMiddleware:
+    """Request ids, API key and body-size limit, as plain ASGI middleware (Starlette's
+    BaseHTTPMiddleware would hide client disconnects from the handlers)."""
+
+    def __init__(self, app, state: RouterState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or completions.new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        error = self._refusal(scope["path"], headers)
+        if error is not None:
+            return await error.response()(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+    def _refusal(self, path: str, headers: dict[str, str]) -> APIError | None:
+        if path.startswith("/v1/") and self.state.api_key is not None:
+            given = headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self.state.api_key}".encode()):
+                return APIError(401, "Invalid or missing API key.")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.state.max_body_bytes:
+            return APIError(413, f"request body is larger than {self.state.max_body_bytes} bytes")
+        return None
 
 
-async def _respond(state: RouterState, prep: completions.Prepared):
-    if prep.stream:
+async def _respond(state: RouterState, prep: completions.Prepared, request: Request):
+    if prep.stream:  # Starlette cancels the stream when the client goes; that aborts the request
         return StreamingResponse(completions.stream(state, prep), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await completions.complete(state, prep)
+    # A non-streamed request has no stream to cancel: watch the connection while it runs.
+    task = asyncio.create_task(completions.complete(state, prep))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()  # unwinds run_choices, which cancels the workers' generators
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
 
 async def _poll_workers(state: RouterState) -> None:

@@ -121,6 +121,7 @@ def check_concurrent_streams(url: str, token_prompts: list[list[int]], num_strea
 def check_disconnect_frees_kv(url: str, decode_actors: list) -> None:
     body = {"prompt": [1] + list(range(10, 60)), "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
+    processed = sum(ray.get(a.stats.remote()).num_tokens_processed for a in decode_actors)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
@@ -131,6 +132,27 @@ def check_disconnect_frees_kv(url: str, decode_actors: list) -> None:
     while True:
         stats = [ray.get(a.stats.remote()) for a in decode_actors]
         if all(s.num_free_kv_blocks == s.num_kv_blocks and s.num_running == 0 for s in stats):
-            return
+            break
         assert time.monotonic() < deadline, f"KV still held after the client left: {stats}"
         time.sleep(0.2)
+    # it was aborted, not run to its end (1000 tokens fed)
+    assert sum(s.num_tokens_processed for s in stats) - processed < 900
+
+
+def check_non_streaming_disconnect_frees_kv(url: str, decode_actors: list) -> None:
+    body = {"prompt": [1] + list(range(10, 60)), "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    processed = sum(ray.get(a.stats.remote()).num_tokens_processed for a in decode_actors)
+    try:
+        httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+        raise AssertionError("a 1500-token request finished within a second")
+    except httpx.TimeoutException:
+        pass  # the client gave up and closed the connection
+    deadline = time.monotonic() + 15
+    while True:
+        stats = [ray.get(a.stats.remote()) for a in decode_actors]
+        if all(s.num_free_kv_blocks == s.num_kv_blocks and s.num_running == 0 for s in stats):
+            break
+        assert time.monotonic() < deadline, f"KV still held after the client left: {stats}"
+        time.sleep(0.2)
+    # it was aborted, not run to its end (1000 tokens fed)
+    assert sum(s.num_tokens_processed for s in stats) - processed < 900

@@ -35,3 +35,8 @@ def test_concurrent_streams(server):
 def test_disconnect_frees_kv(server):
     url, actors, _ = server
     checks.check_disconnect_frees_kv(url, actors)
+
+
+def test_non_streaming_disconnect_frees_kv(server):
+    url, actors, _ = server
+    checks.check_non_streaming_disconnect_frees_kv(url, actors)

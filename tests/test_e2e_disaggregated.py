@@ -196,3 +196,8 @@ def test_metrics_endpoint_reports_router_and_worker_series(tiny_server):
     assert values['pdserve:workers_alive{role="prefill"}'] == 1
     assert values['pdserve:workers_alive{role="decode"}'] == 1
     assert values['pdserve:request_success_total{finished_reason="length"}'] >= 1
+
+
+def test_non_streaming_disconnect_frees_kv(tiny_server):
+    url, actors, _ = tiny_server
+    checks.check_non_streaming_disconnect_frees_kv(url, actors[1:])
