@@ -128,13 +128,7 @@ def check_disconnect_frees_kv(url: str, decode_actors: list) -> None:
         assert got
         busy = [ray.get(a.stats.remote()) for a in decode_actors]
         assert any(s.num_free_kv_blocks < s.num_kv_blocks for s in busy)
-    deadline = time.monotonic() + 15
-    while True:
-        stats = [ray.get(a.stats.remote()) for a in decode_actors]
-        if all(s.num_free_kv_blocks == s.num_kv_blocks and s.num_running == 0 for s in stats):
-            break
-        assert time.monotonic() < deadline, f"KV still held after the client left: {stats}"
-        time.sleep(0.2)
+    stats = wait_until_idle(decode_actors)
     # it was aborted, not run to its end (1000 tokens fed)
     assert sum(s.num_tokens_processed for s in stats) - processed < 900
 
@@ -147,12 +141,17 @@ def check_non_streaming_disconnect_frees_kv(url: str, decode_actors: list) -> No
         raise AssertionError("a 1500-token request finished within a second")
     except httpx.TimeoutException:
         pass  # the client gave up and closed the connection
+    stats = wait_until_idle(decode_actors)
+    # it was aborted, not run to its end (1000 tokens fed)
+    assert sum(s.num_tokens_processed for s in stats) - processed < 900
+
+
+def wait_until_idle(decode_actors: list) -> list:
+    """Poll (bounded) until no decode worker runs a request or holds a KV block; returns their stats."""
     deadline = time.monotonic() + 15
     while True:
         stats = [ray.get(a.stats.remote()) for a in decode_actors]
         if all(s.num_free_kv_blocks == s.num_kv_blocks and s.num_running == 0 for s in stats):
-            break
+            return stats
         assert time.monotonic() < deadline, f"KV still held after the client left: {stats}"
         time.sleep(0.2)
-    # it was aborted, not run to its end (1000 tokens fed)
-    assert sum(s.num_tokens_processed for s in stats) - processed < 900
