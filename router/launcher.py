@@ -98,12 +98,26 @@ def _cpu_groups(num_workers: int) -> list[tuple[int, ...] | None]:
     return [tuple(cores[i * per : (i + 1) * per]) for i in range(num_workers)]
 
 
-def start_workers(spec: ClusterSpec, local: bool) -> list:
-    """Create every worker actor and wait until each has loaded its model and answers a ping."""
+def wait_for_topology(spec: ClusterSpec, timeout: float) -> None:
+    """`validate_topology`, retried while nodes join (a Kubernetes head starts before its workers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return validate_topology(spec)
+        except RuntimeError as error:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("pdserve: waiting for nodes: %s", error)
+            time.sleep(2.0)
+
+
+def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> list:
+    """Create every worker actor and wait until each has loaded its model and answers a ping.
+    `node_wait` seconds are allowed for nodes with the needed resources or labels to join."""
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
 
-    validate_topology(spec)
+    wait_for_topology(spec, node_wait)
     roles = spec.roles()
     groups = _cpu_groups(len(roles)) if (local and spec.pin_cpus) else [None] * len(roles)
     actors = []
@@ -174,7 +188,7 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
         ray.init(address=address, namespace=spec.namespace, logging_level=logging.WARNING)
     actors = []
     try:
-        actors = start_workers(spec, local)
+        actors = start_workers(spec, local, node_wait=0.0 if local else spec.startup_timeout)
         app = create_app(build_router_state(spec, model_name, api_key))
         log.warning("pdserve: %s mode, serving %s on http://%s:%d", spec.mode, model_name, host, port)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

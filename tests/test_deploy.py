@@ -1,0 +1,70 @@
+"""deploy/ manifests: valid against KubeRay's real CRD schema, and consistent with the CLI."""
+
+from __future__ import annotations
+
+import functools
+import shlex
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from router.cli import build_parser
+from router.launcher import ClusterSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+CRDS = ROOT.parent / "shared" / "kuberay-crds"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((ROOT / "deploy" / name).read_text())
+
+
+@functools.cache
+def raycluster_schema() -> dict:
+    if not (CRDS / "ray.io_rayclusters.yaml").is_file():
+        pytest.skip("../shared/kuberay-crds absent (a user's clone lacks ../shared)")
+    crd = yaml.safe_load((CRDS / "ray.io_rayclusters.yaml").read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def router_argv(cluster: dict) -> list[str]:
+    command = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["lifecycle"]["postStart"]
+    script = command["exec"]["command"][-1]
+    words = shlex.split(script.split("nohup", 1)[1].split(">", 1)[0])
+    assert words[0] == "pdserve"
+    return words[1:]
+
+
+def test_raycluster_matches_the_kuberay_schema():
+    cluster = load("raycluster.yaml")
+    assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
+    jsonschema.validate(cluster, raycluster_schema())
+    with pytest.raises(jsonschema.ValidationError):  # the check has teeth: a required field missing
+        broken = yaml.safe_load((ROOT / "deploy" / "raycluster.yaml").read_text())
+        del broken["spec"]["workerGroupSpecs"][0]["groupName"]
+        jsonschema.validate(broken, raycluster_schema())
+
+
+def test_groups_advertise_what_the_router_command_selects():
+    cluster = load("raycluster.yaml")
+    args = build_parser().parse_args(router_argv(cluster))
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    spec = ClusterSpec(model="/models/llm", num_prefill=args.prefill, num_decode=args.decode)
+    assert groups["prefill"]["resources"] == {spec.prefill_resource: "1"}
+    assert groups["decode"]["resources"] == {spec.decode_resource: "1"}
+    assert args.prefill_labels.items() <= groups["prefill"]["labels"].items()
+    assert args.decode_labels.items() <= groups["decode"]["labels"].items()
+    assert groups["prefill"]["replicas"] >= args.prefill and groups["decode"]["replicas"] >= args.decode
+    assert args.address == "auto" and args.host == "0.0.0.0"
+    head = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert head["dashboard-host"] == "127.0.0.1" and head["num-cpus"] == "0"
+
+
+def test_router_service_exposes_only_the_router_port():
+    service = load("router-service.yaml")
+    args = build_parser().parse_args(router_argv(load("raycluster.yaml")))
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == [args.port]
+    assert service["spec"]["selector"] == {"ray.io/cluster": "pdserve", "ray.io/node-type": "head"}
