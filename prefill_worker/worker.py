@@ -1,14 +1,17 @@
 """PrefillWorker: a Ray actor on a prefill node that computes prompts' KV and first tokens.
 
 Prompts that arrive while the engine is busy are batched into the next forward pass by the
-engine's scheduler. Each call returns two objects (metadata, KV) as method return values, so the
-caller owns both references and nothing is orphaned if this actor dies.
+engine's scheduler. Each call is a two-item Ray streaming generator: first the small metadata
+(first token, logprob, timing), then the KV. Both are return values, so the caller owns both
+references and nothing is orphaned if this actor dies; and the metadata reaches the router
+without waiting for the KV to be written into the object store (26 ms for 96 MiB here).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 
 import ray
 
@@ -23,8 +26,8 @@ class PrefillWorker:
         self.engine = start_engine(spec)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
-    async def prefill(self, request: PrefillRequest) -> tuple[PrefillResult, KVPayload]:
-        """Prefill the prompt; returns (metadata, KV). Call with `.options(num_returns=2)`."""
+    async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillResult | KVPayload]:
+        """Prefill the prompt; yields the PrefillResult, then the KVPayload."""
         # Only the first token is sampled here; min_tokens keeps masking EOS for it if asked.
         params = dataclasses.replace(request.params, max_tokens=1, min_tokens=min(request.params.min_tokens, 1))
         arrived = time.perf_counter()
@@ -48,7 +51,8 @@ class PrefillWorker:
             kv_bytes=out.kv.num_bytes,
             worker_id=self.spec.worker_id,
         )
-        return result, out.kv
+        yield result
+        yield out.kv
 
     def ping(self) -> str:
         return self.spec.worker_id

@@ -8,6 +8,7 @@ KV transport in a short `admit` call, so the object is freed once the worker has
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -37,16 +38,19 @@ class Orchestrator:
                     yield delta
             return
         with self.pool.claim("prefill", len(prompt_token_ids)) as worker:
-            meta_ref, kv_ref = worker.actor.prefill.options(num_returns=2).remote(
-                PrefillRequest(request_id, prompt_token_ids, params))
-            meta = await meta_ref
+            prefill = worker.actor.prefill.remote(PrefillRequest(request_id, prompt_token_ids, params))
+            meta = await (await prefill.__anext__())  # metadata first, while the KV is being stored
         METRICS.request_prefill_time.observe(meta.prefill_seconds)
         done = meta.finish_reason is not None or params.max_tokens == 1
         yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
                          meta.finish_reason or ("length" if done else None), meta.num_cached_tokens)
+        # Let the first token reach the client before spending the loop on the decode calls.
+        await asyncio.sleep(0)
         if done:
-            return  # kv_ref goes out of scope here and the object is freed
+            return  # the prefill stream goes out of scope here and its KV object is freed
         request = DecodeRequest(request_id, prompt_token_ids, params, meta.first_token_id, meta.first_logprobs)
+        kv_ref = await prefill.__anext__()
+        del prefill
         with self.pool.claim("decode", 1) as worker:
             # admit (fetch + copy the KV) and generate are sent back to back; the worker pairs them.
             worker.actor.admit.remote(request, self.transport.handle(kv_ref))

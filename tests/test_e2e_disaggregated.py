@@ -54,9 +54,7 @@ def test_kv_crosses_nodes_with_its_checksum_and_is_freed_with_the_reference(tiny
     _, actors, _ = tiny_server
     prefill, decode = actors
     prompt = [1] + [5 + i % 400 for i in range(1000)]  # ~1 MB of KV: in the object store, not inline
-    meta_ref, kv_ref = prefill.prefill.options(num_returns=2).remote(
-        PrefillRequest("direct", prompt, SamplingParams(temperature=0)))
-    meta = ray.get(meta_ref)
+    meta, kv_ref = direct_prefill(prefill, PrefillRequest("direct", prompt, SamplingParams(temperature=0)))
     kv: KVPayload = ray.get(kv_ref)
     assert meta.kv_bytes == kv.num_bytes == 4 * 2 * len(prompt) * 2 * 16 * 4
     kv.verify(4, 2, 16, "float32")  # the checksum computed on the prefill node holds here
@@ -65,6 +63,13 @@ def test_kv_crosses_nodes_with_its_checksum_and_is_freed_with_the_reference(tiny
     _wait_for_plasma_objects(0)
     stats = ray.get(decode.stats.remote())  # drains transfers; the router's poller may have taken some
     assert stats.kv_transfer_failures == 0
+
+
+def direct_prefill(prefill_actor, request: PrefillRequest):
+    """Call a prefill worker as the router does: (metadata, KV reference)."""
+    stream = prefill_actor.prefill.remote(request)
+    meta_ref, kv_ref = list(stream)
+    return ray.get(meta_ref), kv_ref
 
 
 def _plasma_objects() -> int:
@@ -163,8 +168,8 @@ def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
     prefill, decode = actors
     prompt = [1, 5, 6, 7]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    meta_ref, kv_ref = prefill.prefill.options(num_returns=2).remote(PrefillRequest("bad", prompt, params))
-    meta, kv = ray.get([meta_ref, kv_ref])
+    meta, kv_ref = direct_prefill(prefill, PrefillRequest("bad", prompt, params))
+    kv = ray.get(kv_ref)
     data = kv.data.copy()
     data.reshape(-1).view(np.uint8)[100] ^= 1
     bad = KVPayload(data, kv.dtype, kv.checksum)
