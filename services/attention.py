@@ -19,7 +19,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] int64: pool slot of each new token's k/v
     query_lens: list[int]  # [B] new tokens per sequence (contiguous in the flat batch)
     context_lens: list[int]  # [B] tokens visible after this step (cached + new)
-    context_slots: torch.Tensor  # [B, T_max] int64: pool slots of each context, padded with 0
+    block_tables: torch.Tensor  # [B, max_blocks] int64: each context's blocks, padded with block 0
+    block_size: int
     decode_mask: torch.Tensor | None  # [B, 1, 1, T_max] bool when every query_len is 1, else None
 
 
@@ -42,8 +43,8 @@ def paged_attention(
         if context_len == query_len:  # no cached prefix: attend to the fresh k/v directly
             k_i, v_i, mask, causal = k[start:end], v[start:end], None, True
         else:
-            slots = meta.context_slots[i, :context_len]
-            k_i, v_i, causal = kv_cache[0][slots], kv_cache[1][slots], False
+            k_i, v_i = _gather_context(kv_cache, meta.block_tables[i : i + 1], meta.block_size, context_len)
+            k_i, v_i, causal = k_i[0].transpose(0, 1), v_i[0].transpose(0, 1), False  # [T, K, Dh]
             # query j sits at position context_len - query_len + j and sees keys up to it
             query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
             mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
@@ -58,9 +59,28 @@ def paged_attention(
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # One query per sequence: gather every context at once and run one batched, masked attention.
-    keys = kv_cache[0][meta.context_slots].transpose(1, 2)  # [B, K, T, Dh]
-    values = kv_cache[1][meta.context_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )  # [B, H, 1, Dh]
-    return o.squeeze(2)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[2]
+    keys, values = _gather_context(kv_cache, meta.block_tables, meta.block_size, meta.decode_mask.shape[-1])
+    # The H / K query heads that share a kv head attend as H / K query rows of that head, so the
+    # keys and values are never expanded to H heads.
+    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def _gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first `num_tokens` positions of each block table: [B, K, T, Dh] each.
+
+    Whole blocks are copied with `index_select` (contiguous rows of block_size * K * Dh elements),
+    which is several times faster on CPU than indexing slot by slot.
+    """
+    num_seqs, num_blocks = block_tables.shape
+    _, _, num_kv_heads, head_dim = kv_cache.shape
+    blocks = kv_cache.view(2, -1, block_size, num_kv_heads, head_dim)
+    flat = block_tables.reshape(-1)
+    shape = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    keys = blocks[0].index_select(0, flat).view(shape)[:, :num_tokens].transpose(1, 2)
+    values = blocks[1].index_select(0, flat).view(shape)[:, :num_tokens].transpose(1, 2)
+    return keys, values

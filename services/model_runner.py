@@ -71,13 +71,13 @@ class ModelRunner:
         pos = self._tensor(positions)
         slot_mapping = block_tables[self._tensor(seq_index), pos // bs] * bs + pos % bs  # [N]
         context_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        ctx = torch.arange(max(context_lens), device=self.device)
-        context_slots = block_tables[:, ctx // bs] * bs + ctx % bs  # [B, T_max]
         decode_mask = None
         if all(n == 1 for n in batch.num_new_tokens):
+            ctx = torch.arange(max(context_lens), device=self.device)
             valid = ctx[None, :] < self._tensor(context_lens)[:, None]
             decode_mask = valid[:, None, None, :]  # [B, 1, 1, T_max]
-        return AttentionMetadata(slot_mapping, list(batch.num_new_tokens), context_lens, context_slots, decode_mask)
+        return AttentionMetadata(slot_mapping, list(batch.num_new_tokens), context_lens, block_tables, bs,
+                                 decode_mask)
 
     def _slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
         pos = torch.arange(num_tokens, device=self.device)
