@@ -13,10 +13,10 @@ the bytes). Baselines, measured in the consumer process in the same run: the sam
 private array into the same pool (best of `--repeats`), and each checksum function alone.
 
 Checksum variants are measured end to end by swapping `services.kv_payload.kv_checksum` in both
-actors (the real `from_array`/`verify` run): `crc32` (what pdserve ships, zlib, one thread),
+actors (the real `from_array`/`verify` run): `crc32` (zlib, one thread; what pdserve shipped first),
 `crc32x2` (CRC-32 of 8 chunks on 2 threads — zlib releases the GIL — then CRC-32 of the chunk CRCs),
 `sum64` (wrapping uint64 sum in numpy: catches any single flipped bit, not reordered words) and
-`xxh3` (xxhash's XXH3-64, only if `xxhash` imports). Trials interleave sizes, variants and placements
+`xxh3` (xxhash's XXH3-64: what pdserve ships). Trials interleave sizes, variants and placements
 so noise hits all of them alike; medians are reported (and the best in the JSON).
 
 Targets (from the issue): same node, total <= 2 x copy + 2 ms; cross node, fetch >= 1 GB/s.
