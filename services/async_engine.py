@@ -23,22 +23,27 @@ class RequestStream:
     """The outputs of one request, read on the event loop that submitted it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        self.loop = loop
+        self.queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: StepOutput | BaseException) -> None:  # called from the engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next_batch(self) -> list[StepOutput]:
         """Wait for at least one output, then take every one already waiting (a lagging reader
         gets several steps' tokens at once)."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
         for item in items:
             if isinstance(item, BaseException):
                 raise item
         return items
+
+
+def _deliver(items: list[tuple[RequestStream, StepOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
 
 
 class AsyncEngine:
@@ -89,13 +94,16 @@ class AsyncEngine:
                 self._fail_all(error)
                 continue
             self.num_steps += 1
-            for out in outputs:
-                with self._lock:
+            deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StepOutput]]] = {}
+            with self._lock:
+                for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None and out.finish_reason is not None:
                         del self._streams[out.request_id]
-                if stream is not None:
-                    stream.put(out)
+                    if stream is not None:
+                        deliveries.setdefault(stream.loop, []).append((stream, out))
+            for loop, items in deliveries.items():  # one wake-up per loop per step, not per request
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _apply_commands(self) -> None:
         while True:
