@@ -18,6 +18,16 @@ from services.model_config import ModelConfig
 from services.rotary import RotaryEmbedding
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except one 16-bit row on CPU goes through matrix-vector (addmv): measured here it
+    streams bf16 weights at 22 GB/s against F.linear's 13 GB/s, and batch-1 decode is all this."""
+    # x: [N, in], weight: [out, in]
+    if x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+        y = torch.mv(weight, x[0]).unsqueeze(0)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as HF's LlamaRMSNorm: normalise in float32, scale in the model dtype.
     x32 = x.float()
@@ -76,16 +86,16 @@ class LlamaModel:
             h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
                                     positions, meta, layer_cache)
             x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
+            h = h + linear(F.silu(gate) * up, layer.down)
         h = rms_norm(h[logit_indices], self.final_norm, self.config.rms_norm_eps)  # [M, D]
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     def _attention(self, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata, layer_cache: torch.Tensor) -> torch.Tensor:
         c = self.config
         num_tokens = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [N, (H + 2K) * Dh]
+        qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, (H + 2K) * Dh]
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                              c.num_kv_heads * c.head_dim], dim=-1)
         q = q.view(num_tokens, c.num_heads, c.head_dim)
@@ -96,4 +106,4 @@ class LlamaModel:
             k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
         q, k = self.rotary.apply(q, k, positions)
         o = paged_attention(q, k, v, layer_cache, meta, self.scale)  # [N, H, Dh]
-        return F.linear(o.reshape(num_tokens, -1), layer.o)
+        return linear(o.reshape(num_tokens, -1), layer.o)
