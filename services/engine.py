@@ -33,7 +33,8 @@ class Engine:
         self.model_config = ModelConfig.from_folder(self.config.model)
         self.tokenizer = Tokenizer.from_folder(self.config.model)
         self.device = torch.device(self.config.resolve_device(torch.cuda.is_available()))
-        self.dtype = getattr(torch, self.config.resolve_dtype(self.model_config, self.device.type))
+        cpu_has_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self.dtype = getattr(torch, self.config.resolve_dtype(self.model_config, self.device.type, cpu_has_bf16))
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.max_model_len = self.config.resolve_max_model_len(self.model_config)
