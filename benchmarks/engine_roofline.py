@@ -116,6 +116,8 @@ def decode_samples(engine: Engine, rng: random.Random, batch: int, args, weight_
         work = weight_bytes_total + num_kv * engine.runner.kv_bytes_per_token
         samples.append(Sample(elapsed, work, probe(2), meter.foreign_cores))
         contexts.append(num_kv / batch)
+        if meter.foreign_cores > args.max_foreign_cores:  # the state waits with us: retake once quiet
+            wait_for_quiet(args.max_foreign_cores, timeout_s=args.quiet_timeout)
     for request_id in ids:
         engine.abort(request_id)
     return {"batch": batch, "mean_context": statistics.mean(contexts), "tokens_per_s": 0.0,
@@ -176,7 +178,8 @@ def measure_dtype(folder, dtype: str, read_probe: ceilings_mod.ReadProbe, args) 
     bn = decode_samples(engine, rng, args.batch, args, weights["bytes"], read_probe)
     bn["tokens_per_s"] = args.batch / bn["step_s_median"]
     speedup = bn["tokens_per_s"] / b1["tokens_per_s"]
-    bn |= {"speedup_vs_b1": speedup, "target": TARGETS["batch_speedup"], "pass": speedup >= TARGETS["batch_speedup"]}
+    bn |= {"speedup_vs_b1": speedup, "target": TARGETS["batch_speedup"], "pass": speedup >= TARGETS["batch_speedup"],
+           "noisy": bn["noisy"] or b1["noisy"]}
     del engine
     gc.collect()
     return {"dtype": dtype, "weights": weights, "kv_bytes_per_token": kv_per_token,

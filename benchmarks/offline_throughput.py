@@ -1,8 +1,9 @@
 """Offline generation throughput: pdserve's `Engine.generate` against Hugging Face transformers'
 `generate` on the same model, dtype and threads, in the same run.
 
-Workload: `--num-prompts` prompts of `--prompt-len` random token ids (fixed seed), `--output-len`
-greedy output tokens each, EOS ignored. pdserve gets all prompts at once (continuous batching);
+Workload: `--num-prompts` prompts of `--prompt-len` random token ids (fixed seeds; fresh prompts in
+every round, so pdserve's prefix cache gets no hits), `--output-len` greedy output tokens each, EOS
+ignored. pdserve gets all prompts at once (continuous batching);
 transformers runs static batches of each `--hf-batch-sizes` size over the same prompts
 (min_new_tokens = max_new_tokens, so every row produces exactly `--output-len` tokens) and its best
 batch size is the comparison. Throughput = output tokens / wall time of the whole workload, after
@@ -47,14 +48,14 @@ def timed(fn) -> tuple[float, float, object]:
     return elapsed, meter.foreign_cores, result
 
 
-def pdserve_workload(folder, dtype: str, threads: int, prompts: list[list[int]], output_len: int):
-    """A callable that runs the whole workload through one warmed-up Engine; returns output token ids."""
-    engine = Engine(model=folder, dtype=dtype, num_threads=threads, max_num_seqs=max(64, len(prompts)),
-                    max_num_batched_tokens=2048, max_model_len=len(prompts[0]) + output_len + 16)
+def pdserve_workload(folder, dtype: str, threads: int, warmup: list[list[int]], output_len: int):
+    """A callable `run(prompts)` that runs a workload through one warmed-up Engine; returns output ids."""
+    engine = Engine(model=folder, dtype=dtype, num_threads=threads, max_num_seqs=64, max_num_batched_tokens=2048,
+                    max_model_len=len(warmup[0]) + output_len + 16)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    engine.generate([p[:16] for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.generate([p[:16] for p in warmup], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 
-    def run() -> list[list[int]]:
+    def run(prompts: list[list[int]]) -> list[list[int]]:
         outs = engine.generate(prompts, params)
         assert all(len(o.token_ids) == output_len for o in outs)
         return [list(o.token_ids) for o in outs]
@@ -62,8 +63,8 @@ def pdserve_workload(folder, dtype: str, threads: int, prompts: list[list[int]],
     return run
 
 
-def hf_workload(folder, dtype: str, prompts: list[list[int]], output_len: int):
-    """A callable `run(batch_size)` that runs the workload through transformers in static batches."""
+def hf_workload(folder, dtype: str, warmup: list[list[int]], output_len: int):
+    """A callable `run(prompts, batch_size)` that runs a workload through transformers in static batches."""
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -79,25 +80,32 @@ def hf_workload(folder, dtype: str, prompts: list[list[int]], output_len: int):
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
         return out[:, input_ids.shape[1]:].tolist()
 
-    generate([p[:16] for p in prompts[:2]], 4)
-    return lambda size: [row for i in range(0, len(prompts), size) for row in generate(prompts[i : i + size], output_len)]
+    generate([p[:16] for p in warmup], 4)
+    return lambda prompts, size: [row for i in range(0, len(prompts), size)
+                                  for row in generate(prompts[i : i + size], output_len)]
 
 
-def measure_dtype(folder, dtype: str, prompts: list[list[int]], args) -> dict:
-    """Every HF batch size once, then `args.rounds` alternating runs of pdserve and HF's best batch size."""
-    num_tokens = len(prompts) * args.output_len
-    ours, theirs = pdserve_workload(folder, dtype, args.threads, prompts, args.output_len), hf_workload(
-        folder, dtype, prompts, args.output_len)
+def measure_dtype(folder, dtype: str, vocab_size: int, args) -> dict:
+    """Every HF batch size once, then `args.rounds` alternating runs of pdserve and HF's best batch size.
+    Each round draws fresh prompts (both systems get the same), so pdserve's prefix cache never hits."""
+    def prompts_for(round_index: int) -> list[list[int]]:
+        return make_prompts(args.seed + round_index, args.num_prompts, args.prompt_len, vocab_size)
+
+    num_tokens = args.num_prompts * args.output_len
+    warmup = make_prompts(args.seed + 10_000, 2, args.prompt_len, vocab_size)
+    ours = pdserve_workload(folder, dtype, args.threads, warmup, args.output_len)
+    theirs = hf_workload(folder, dtype, warmup, args.output_len)
     by_batch = {}
     for size in args.hf_batch_sizes:
-        seconds, foreign, hf_ids = timed(lambda: theirs(size))  # noqa: B023 (called at once)
+        seconds, foreign, _ = timed(lambda: theirs(prompts_for(0), size))  # noqa: B023 (called at once)
         by_batch[size] = {"seconds": seconds, "tokens_per_s": num_tokens / seconds, "foreign_cores": foreign}
         print(f"  transformers batch {size:>3}: {num_tokens / seconds:.1f} tok/s", flush=True)
     best = max(by_batch, key=lambda b: by_batch[b]["tokens_per_s"])
     rounds = []
-    for _ in range(args.rounds):
-        ours_s, ours_foreign, our_ids = timed(ours)
-        hf_s, hf_foreign, _ = timed(lambda: theirs(best))
+    for i in range(1, args.rounds + 1):
+        prompts = prompts_for(i)
+        ours_s, ours_foreign, our_ids = timed(lambda: ours(prompts))  # noqa: B023
+        hf_s, hf_foreign, hf_ids = timed(lambda: theirs(prompts, best))  # noqa: B023
         rounds.append({"pdserve_s": ours_s, "pdserve_foreign_cores": ours_foreign, "hf_s": hf_s,
                        "hf_foreign_cores": hf_foreign, "ratio": hf_s / ours_s})
         print(f"  round: pdserve {num_tokens / ours_s:.1f} tok/s, transformers batch {best} "
@@ -131,11 +139,10 @@ def main() -> None:
     folder = preset_folder(args.preset)
     config = ModelConfig.from_folder(folder)
     shape = describe(config)
-    prompts = make_prompts(args.seed, args.num_prompts, args.prompt_len, config.vocab_size)
     results, rows = [], []
     for dtype in args.dtype:
         print(f"{args.preset} ({shape}); dtype={dtype}; threads={args.threads}", flush=True)
-        r = measure_dtype(folder, dtype, prompts, args)
+        r = measure_dtype(folder, dtype, config.vocab_size, args)
         results.append(r)
         for size, b in r["hf_by_batch"].items():
             rows.append([dtype, f"transformers generate, static batch {size}", "1", b["tokens_per_s"],
@@ -152,7 +159,7 @@ def main() -> None:
     print("runs > 1: median of alternating runs; the ratio is the median of the per-round ratios. foreign cores: "
           "most cores other processes kept busy during a run (0 = quiet)")
     for r in results:
-        print(f"{r['dtype']}: {r['identical_outputs']}/{len(prompts)} greedy outputs identical between pdserve and "
+        print(f"{r['dtype']}: {r['identical_outputs']}/{args.num_prompts} greedy outputs identical between pdserve and "
               f"transformers (random weights give flat distributions, so float-rounding ties can differ)")
     payload = {"environment": environment(), "preset": args.preset, "model_shape": shape, "args": vars(args),
                "results": results}
