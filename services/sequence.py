@@ -60,10 +60,3 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
-    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
-        return (num_tokens + block_size - 1) // block_size
