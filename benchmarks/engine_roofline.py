@@ -146,16 +146,12 @@ def prefill_samples(engine: Engine, rng: random.Random, args, flops: float, prob
     return {"tokens": args.prefill_tokens, **summarize(samples, args.prefill_repeats, args.max_foreign_cores)}
 
 
-def folder_limit(folder) -> int:
-    return ModelConfig.from_folder(folder).max_position_embeddings
-
-
 def measure_dtype(folder, dtype: str, read_probe: ceilings_mod.ReadProbe, args) -> dict:
     """Each sample is paired with a ceiling measured right after it; utilization is the median of the
     per-sample ratios, so a noisy neighbour slows both sides of a ratio alike."""
     engine = Engine(model=folder, dtype=dtype, max_num_seqs=max(64, args.batch),
                     max_num_batched_tokens=max(2048, args.prefill_tokens),
-                    max_model_len=min(2048 + args.prefill_tokens, folder_limit(folder)),
+                    max_model_len=min(2048 + args.prefill_tokens, ModelConfig.from_folder(folder).max_position_embeddings),
                     num_threads=args.threads, kv_cache_memory_gb=1.0)
     c = engine.model_config
     rng = random.Random(args.seed)
@@ -230,7 +226,7 @@ def main() -> None:
                         help="a sample is quiet when other processes used at most this many cores during it; "
                              "noisy samples are retaken (default 0.15)")
     parser.add_argument("--quiet-timeout", type=float, default=60,
-                        help="seconds to wait for a quiet machine before each phase (default 60)")
+                        help="seconds to wait for a quiet machine before each phase and after a noisy sample (default 60)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     args = parser.parse_args()
 
