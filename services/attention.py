@@ -41,17 +41,16 @@ def paged_attention(
         end = start + query_len
         q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]
         if context_len == query_len:  # no cached prefix: attend to the fresh k/v directly
-            k_i, v_i, mask, causal = k[start:end], v[start:end], None, True
-        else:
+            k_i, v_i = k[start:end].transpose(0, 1).unsqueeze(0), v[start:end].transpose(0, 1).unsqueeze(0)
+            mask, causal = None, True
+        else:  # [1, K, T, Dh] each
             k_i, v_i = _gather_context(kv_cache, meta.block_tables[i : i + 1], meta.block_size, context_len)
-            k_i, v_i, causal = k_i[0].transpose(0, 1), v_i[0].transpose(0, 1), False  # [T, K, Dh]
+            causal = False
             # query j sits at position context_len - query_len + j and sees keys up to it
             query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
             mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q_i, k_i.transpose(0, 1).unsqueeze(0), v_i.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-        )  # [1, H, q, Dh]
+        o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=True)  # [1, H, q, Dh]
         out[start:end] = o[0].transpose(0, 1)
         start = end
     return out

@@ -39,9 +39,11 @@ def exponential_noise(seeds: list[int], positions: list[int], vocab_size: int, d
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[SampledToken]:
     """logits: [M, V] float32, row m for seqs[m], whose next token sits at position seqs[m].num_tokens."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-    logits = logits.clone()
-    for m, seq in enumerate(seqs):
-        _apply_penalties_and_bias(logits[m], seq, eos_token_ids)
+    adjusted = [m for m, s in enumerate(seqs) if _needs_adjustment(s)]
+    if adjusted:  # most steps have none: skip the copy of [M, V] logits
+        logits = logits.clone()
+        for m in adjusted:
+            _apply_penalties_and_bias(logits[m], seqs[m], eos_token_ids)
     token_ids = logits.argmax(dim=-1)
     random_rows = [m for m, s in enumerate(seqs) if not s.params.is_greedy]
     if random_rows:
@@ -62,6 +64,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
                 lp.update(zip(top.indices.tolist(), top.values.tolist()))
         out.append(SampledToken(chosen[m], lp))
     return out
+
+
+def _needs_adjustment(seq: Sequence) -> bool:
+    p = seq.params
+    return bool(p.logit_bias or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
+                or ((p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens))
 
 
 def _apply_penalties_and_bias(row: torch.Tensor, seq: Sequence, eos_token_ids: tuple[int, ...]) -> None:
