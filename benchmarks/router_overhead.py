@@ -3,8 +3,10 @@
 Setup: the `tiny` preset (4 layers x 64, float32; a model this small makes the router, not the model,
 the thing measured), a simulated two-node Ray cluster (`tests.cluster_harness.two_node_cluster`), one
 PrefillWorker and one DecodeWorker (1 torch thread, max_num_seqs 128), and the router on uvicorn in a
-thread of this process (`router_server`, disaggregated). The HTTP client is a separate process
-(httpx), so it does not share the router's GIL. Everything shares this host's cores: the numbers
+thread of this process (`router_server`, disaggregated). The HTTP client is a separate process (so
+it does not share the router's GIL) using `benchmarks.sse_client`, a minimal asyncio HTTP/1.1
+client: on this small host every CPU-millisecond the load generator spends is taken from the
+router and workers (httpx spent ~0.1 ms per streamed token; the client's CPU is reported). Everything shares this host's cores: the numbers
 include that contention, and the CPU seconds of each process are reported with them.
 
 (a) TTFT overhead: `--requests` sequential streamed completions (distinct ~`--prompt-tokens`-token
@@ -54,44 +56,34 @@ def prompts(tokenizer, count: int, num_tokens: int) -> list[str]:
 # -- the client process ----------------------------------------------------------------------------
 
 def _client(job: dict) -> dict:
-    import httpx
+    from benchmarks.sse_client import SSEClient
 
-    url = job["url"] + "/v1/completions"
-    if job["kind"] == "ttft":
-        samples = []
-        with httpx.Client(timeout=60) as client:
-            for i, prompt in enumerate(job["prompts"]):
-                body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
-                sent, first = time.perf_counter(), None
-                with client.stream("POST", url, json=body, headers={"X-Request-Id": f"ttft{i}"}) as r:
-                    for line in r.iter_lines():
-                        if first is None and line.startswith("data: {"):
-                            first = time.perf_counter()
-                samples.append({"id": f"ttft{i}-0", "sent": sent, "first": first})
+    path = "/v1/completions"
+
+    async def ttft() -> dict:
+        client, samples = SSEClient(job["url"]), []
+        for i, prompt in enumerate(job["prompts"]):
+            body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+            got = await client.post_stream(path, body, f"ttft{i}")
+            samples.append({"id": f"ttft{i}-0", "sent": got["sent"], "first": got["first"]})
+        await client.close()
         return {"samples": samples}
 
-    async def one(client, i: int, prompt: str) -> tuple[int, int]:
+    async def one(i: int, prompt: str) -> tuple[int, int]:
         body = {"prompt": prompt, "max_tokens": job["max_tokens"], "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
-        tokens = chunks = 0
-        async with client.stream("POST", url, json=body, headers={"X-Request-Id": f"tp{i}"}) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    chunks += 1
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-        return tokens, chunks
+        client = SSEClient(job["url"])
+        got = await client.post_stream(path, body, f"tp{i}")
+        await client.close()
+        return got["usage"]["completion_tokens"], got["events"] - 1  # the usage event carries no tokens
 
     async def many() -> dict:
-        limits = httpx.Limits(max_connections=len(job["prompts"]))
-        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            start, cpu = time.perf_counter(), sum(os.times()[:2])
-            done = await asyncio.gather(*(one(client, i, p) for i, p in enumerate(job["prompts"])))
-            wall, cpu = time.perf_counter() - start, sum(os.times()[:2]) - cpu
+        start, cpu = time.perf_counter(), sum(os.times()[:2])
+        done = await asyncio.gather(*(one(i, p) for i, p in enumerate(job["prompts"])))
+        wall, cpu = time.perf_counter() - start, sum(os.times()[:2]) - cpu
         return {"tokens": sum(t for t, _ in done), "chunks": sum(c for _, c in done), "wall_s": wall, "cpu_s": cpu}
 
-    return asyncio.run(many())
+    return asyncio.run(ttft() if job["kind"] == "ttft" else many())
 
 
 def run_client(job: dict) -> dict:
@@ -142,15 +134,22 @@ def measure_ttft(url: str, texts: list[str], marks: dict, prefills: list, warmup
             for k in rows[0]} | {"n": len(rows)}
 
 
-async def _ray_level(generate, token_prompts: list[list[int]], params) -> tuple[int, int]:
+async def _ray_level(pool, token_prompts: list[list[int]], params) -> tuple[int, int]:
+    from router.orchestrator import Orchestrator
+
+    orchestrator = Orchestrator(pool, "disaggregated")  # its own: the server's lives on uvicorn's loop
+
     async def one(i: int, prompt: list[int]) -> tuple[int, int]:
         tokens = items = 0
-        async for delta in generate(f"ray{time.monotonic_ns()}-{i}", prompt, params):
+        async for delta in orchestrator.generate(f"ray{time.monotonic_ns()}-{i}", prompt, params):
             tokens += len(delta.token_ids)
             items += 1
         return tokens, items
 
-    done = await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts)))
+    try:
+        done = await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts)))
+    finally:
+        orchestrator.shutdown()
     return sum(t for t, _ in done), sum(n for _, n in done)
 
 
@@ -212,7 +211,7 @@ def main() -> None:
                 if level == "engine":
                     tokens, items = sum(len(o.token_ids) for o in engine.generate(tp_ids, params)), None
                 elif level == "ray":
-                    tokens, items = asyncio.run(_ray_level(generate, tp_ids, params))
+                    tokens, items = asyncio.run(_ray_level(state.pool, tp_ids, params))
                 else:
                     res = run_client({"kind": "stream", "url": url, "prompts": tp_texts,
                                       "max_tokens": args.max_tokens})

@@ -1,9 +1,10 @@
 """DecodeWorker: a Ray actor on a decode node that owns a paged KV pool and streams tokens.
 
-A prefilled request is admitted with its prompt's KV (`admit`): the KV is fetched, checksummed and
-copied into free blocks, and the sequence joins the running batch. Without KV (colocated mode, or
-a stream resumed after a worker died) the worker prefills the prompt itself. `generate` is a Ray
-streaming generator of TokenDelta items; cancelling it aborts the request and frees its blocks.
+A router opens one `channel` per decode worker: a Ray streaming generator whose items carry the
+new tokens of all that router's requests (see `output_channel.py` for why not one stream per
+request). `admit` starts a request on a channel: with its prompt's KV (fetched, checksummed and
+copied into free blocks) or, without one (colocated mode, or a stream resumed after a worker
+died), prefilling the prompt here. `abort` stops one request; a closed channel aborts all of its.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import time
 
 import ray
 
+from decode_worker.output_channel import OutputChannel
 from services.kv_transport import TRANSPORTS
-from services.protocol import DecodeRequest, TokenDelta, WorkerStats
+from services.protocol import DecodeRequest, WorkerStats
 from services.scheduler import SampledToken
 from services.worker_runtime import WorkerSpec, start_engine, worker_stats
 
@@ -28,72 +30,95 @@ class DecodeWorker:
         self.kv_transfers: list[tuple[float, int]] = []  # (seconds, bytes) since the last drain
         self.transport = TRANSPORTS[spec.kv_transport]()
         self.kv_transfer_failures = 0
-        self._admissions: dict[str, asyncio.Future] = {}
-        self.admission_timeout = 60.0
+        self._channels: dict[str, OutputChannel] = {}
+        self._fetching: set[str] = set()  # requests whose KV is on its way
+        self._aborted: set[str] = set()  # ...and were aborted meanwhile
+        self.channel_timeout = 60.0  # a channel nobody reads for this long is dropped
 
-    async def admit(self, request: DecodeRequest, kv_handle: object) -> None:
-        """Fetch a prefilled request's KV and queue it for the engine; `generate` streams it.
+    async def channel(self, channel_id: str):
+        """Yield lists of (request_id, TokenDelta), one per request that advanced, until cancelled
+        (a Ray streaming generator). When it ends, the router's requests still running here stop."""
+        channel = self._channels.get(channel_id)
+        if channel is None or channel.attached:  # a router re-opening its channel gets a fresh one
+            channel = self._channels[channel_id] = OutputChannel(asyncio.get_running_loop())
+        channel.attached = True
+        try:
+            while True:
+                yield await channel.next_item()
+        finally:
+            self._close(channel_id, channel)
 
-        A separate, short call on purpose: Ray keeps a call's arguments alive until the call
-        returns, so the KV object can be freed here, not only when the whole stream ends.
+    async def admit(self, request: DecodeRequest, kv_handle: object | None, channel_id: str) -> None:
+        """Start `request`, its tokens going to channel `channel_id`; failures go there too.
+
+        With `kv_handle` the prompt was prefilled elsewhere: its KV is fetched and verified here.
+        A separate, short call on purpose: Ray keeps a call's arguments alive until the call returns,
+        so the KV object is freed once it is copied, not when the request ends.
         """
         rid = request.request_id
-        admission = self._admission(rid)
+        channel = self._channel(channel_id)
+        channel.add(rid)
         try:
-            start = time.perf_counter()
-            held = [await self.transport.fetch(kv_handle)]
-            self.kv_transfers.append((time.perf_counter() - start, held[0].num_bytes))
-            # The checksum pass runs in a thread: neither this event loop nor the step loop waits.
-            await asyncio.to_thread(self.engine.engine.verify_kv, held[0])
+            if kv_handle is None:
+                self.engine.submit(rid, lambda e: e.add_request(rid, request.prompt_token_ids, request.params),
+                                   channel)
+                return
+            held = [await self._fetch(rid, kv_handle)]
+            if rid in self._aborted:
+                self._aborted.discard(rid)
+                channel.request_ids.discard(rid)
+                return
             first = SampledToken(request.first_token_id, request.first_logprobs)
 
             def add(engine):  # pop: once the engine has copied the KV nothing here keeps it alive
                 engine.add_prefilled(rid, request.prompt_token_ids, first, request.params, held.pop(),
                                      verified=True)
 
-            admission.set_result(self.engine.submit(rid, add))
+            self.engine.submit(rid, add, channel)
         except Exception as error:
-            self.kv_transfer_failures += 1
-            admission.set_exception(error)
-            raise
-        # A router that died between admit and generate must not leave the request running.
-        asyncio.get_running_loop().call_later(self.admission_timeout, self._expire, rid)
+            channel.fail_here(rid, error)
 
-    async def generate(self, request: DecodeRequest):
-        """Yield TokenDelta items until the request finishes (a Ray streaming generator).
-
-        A request with `first_token_id` was (or is being) admitted with its KV; one without is
-        prefilled here (colocated mode).
-        """
-        rid = request.request_id
-        if request.first_token_id is None:
-            stream = self.engine.submit(
-                rid, lambda engine: engine.add_request(rid, request.prompt_token_ids, request.params))
-        else:
-            stream = await self._admission(rid)
-            del self._admissions[rid]
-        finished = False
+    async def _fetch(self, request_id: str, kv_handle: object):
+        self._fetching.add(request_id)
         try:
-            while not finished:
-                outs = await stream.next_batch()
-                token_ids = [t for o in outs for t in o.new_token_ids]
-                logprobs = [lp for o in outs for lp in o.new_logprobs] if outs[0].new_logprobs is not None else None
-                finished = outs[-1].finish_reason is not None
-                yield TokenDelta(token_ids, logprobs, outs[-1].finish_reason, outs[-1].num_cached_tokens)
+            start = time.perf_counter()
+            kv = await self.transport.fetch(kv_handle)
+            self.kv_transfers.append((time.perf_counter() - start, kv.num_bytes))
+            # The checksum pass runs in a thread: neither this event loop nor the step loop waits.
+            await asyncio.to_thread(self.engine.engine.verify_kv, kv)
+            return kv
+        except Exception:
+            self.kv_transfer_failures += 1
+            raise
         finally:
-            if not finished:  # cancelled by the caller (client gone) or failed: free the blocks now
-                self.engine.abort(rid)
+            self._fetching.discard(request_id)
 
-    def _admission(self, request_id: str) -> asyncio.Future:
-        """The future of a request's stream, shared by `admit` and `generate` (either may run first)."""
-        if request_id not in self._admissions:
-            self._admissions[request_id] = asyncio.get_running_loop().create_future()
-        return self._admissions[request_id]
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (the client went away, or a stop string matched)."""
+        if request_id in self._fetching:
+            self._aborted.add(request_id)
+        self.engine.abort(request_id)
+        for channel in self._channels.values():
+            channel.request_ids.discard(request_id)
 
-    def _expire(self, request_id: str) -> None:
-        if request_id in self._admissions:  # generate never came for it
-            self._admissions.pop(request_id)
-            self.engine.abort(request_id)
+    def _channel(self, channel_id: str) -> OutputChannel:
+        """The channel `admit` should use; `admit` may arrive before `channel` starts reading it."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            loop = asyncio.get_running_loop()
+            channel = self._channels[channel_id] = OutputChannel(loop)
+            loop.call_later(self.channel_timeout, self._expire, channel_id, channel)
+        return channel
+
+    def _expire(self, channel_id: str, channel: OutputChannel) -> None:
+        if not channel.attached:  # the router that admitted into it never came to read it
+            self._close(channel_id, channel)
+
+    def _close(self, channel_id: str, channel: OutputChannel) -> None:
+        if self._channels.get(channel_id) is channel:
+            del self._channels[channel_id]
+        for rid in list(channel.request_ids):
+            self.abort(rid)
 
     def ping(self) -> str:
         return self.spec.worker_id

@@ -43,6 +43,7 @@ def create_app(state: RouterState) -> FastAPI:
         poller = asyncio.create_task(_poll_workers(state))
         yield
         poller.cancel()
+        state.orchestrator.shutdown()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.router = state

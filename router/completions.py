@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from router.choice import ChoiceState, ChoiceUpdate, chat_logprobs, completion_logprobs
+from router.choice import ChoiceState, chat_logprobs, completion_logprobs
+from router.choice_runner import run_choices
 from router.errors import APIError
 from router.schemas import ChatCompletionRequest, CompletionRequest
-from services.metrics import METRICS
 from services.sampling_params import SamplingParams
 
 
@@ -90,62 +89,6 @@ def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepare
     return Prepared(request_id, True, state.model_name, [prompt], _params(state, body, max_tokens, logprobs),
                     body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), None,
                     body.top_logprobs or 0)
-
-
-async def run_choices(state, prep: Prepared) -> AsyncIterator[tuple[ChoiceState, ChoiceUpdate]]:
-    """Run every choice concurrently; yield each update as it comes. Closing this iterator
-    cancels every choice, which aborts their requests on the workers."""
-    queue: asyncio.Queue = asyncio.Queue()
-    start = time.perf_counter()
-    choices = []
-    for p, prompt in enumerate(prep.prompts):
-        for j in range(prep.n):
-            # With n > 1 and a seed, choice j uses seed + j: different choices, each reproducible.
-            seed = None if prep.params.seed is None else prep.params.seed + j
-            choices.append(ChoiceState(p * prep.n + j, state.tokenizer, replace(prep.params, seed=seed), prompt))
-
-    async def one(choice: ChoiceState) -> None:
-        sub_id = f"{prep.request_id}-{choice.index}"
-        last = None
-        try:
-            async for delta in state.orchestrator.generate(sub_id, choice.prompt_token_ids, choice.params):
-                now = time.perf_counter()
-                if last is None:
-                    METRICS.time_to_first_token.observe(now - start)
-                else:
-                    for _ in delta.token_ids:
-                        METRICS.inter_token_latency.observe((now - last) / len(delta.token_ids))
-                last = now
-                update = choice.update(delta)
-                await queue.put((choice, update))
-                if choice.finish_reason is not None:
-                    break  # a stop string ended it early: leaving the loop aborts it on the worker
-        except Exception as error:
-            await queue.put((choice, error))
-        finally:
-            await queue.put((choice, None))
-
-    tasks = [asyncio.create_task(one(c)) for c in choices]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            choice, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield choice, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        METRICS.e2e_request_latency.observe(time.perf_counter() - start)
-        for c in choices:
-            METRICS.prompt_tokens.inc(len(c.prompt_token_ids))
-            METRICS.generation_tokens.inc(len(c.token_ids))
-            if c.finish_reason is not None:
-                METRICS.request_success.labels(c.finish_reason).inc()
 
 
 def usage(prep: Prepared, choices: list[ChoiceState]) -> dict:

@@ -6,7 +6,6 @@ satisfy fails within seconds with a message naming the missing resource, instead
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -196,7 +195,7 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
         # handlers it found: make SIGTERM, like SIGINT, unwind into the cleanup below.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
-            asyncio.run(uvicorn.Server(config).serve())
+            uvicorn.Server(config).run()  # on uvloop and httptools (dependencies), as uvicorn[standard]
         except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal
             log.warning("pdserve: shutting down")
     finally:

@@ -2,7 +2,8 @@
 
 A Ray actor's event loop must stay free to accept calls while the model computes, so the engine
 steps in its own thread; requests and aborts reach it through a queue, and outputs come back to
-the event loop with `call_soon_threadsafe`.
+the event loop with `call_soon_threadsafe`. Outputs go to a sink per request: its own
+`RequestStream` by default, or one shared by many requests (the decode worker's per-router channel).
 """
 
 from __future__ import annotations
@@ -11,12 +12,22 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.request_output import StepOutput
 
 if TYPE_CHECKING:
     from services.engine import Engine
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go. `deliver` runs on `loop`; `fail` may be called from any thread."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, out: StepOutput) -> None: ...
+
+    def fail(self, request_id: str, error: BaseException) -> None: ...
 
 
 class RequestStream:
@@ -26,8 +37,11 @@ class RequestStream:
         self.loop = loop
         self.queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
 
-    def put(self, item: StepOutput | BaseException) -> None:  # called from the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def deliver(self, out: StepOutput) -> None:
+        self.queue.put_nowait(out)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, error)
 
     async def next_batch(self) -> list[StepOutput]:
         """Wait for at least one output, then take every one already waiting (a lagging reader
@@ -41,16 +55,16 @@ class RequestStream:
         return items
 
 
-def _deliver(items: list[tuple[RequestStream, StepOutput]]) -> None:
-    for stream, out in items:
-        stream.queue.put_nowait(out)
+def _deliver(items: list[tuple[OutputSink, StepOutput]]) -> None:
+    for sink, out in items:
+        sink.deliver(out)
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[str, str, Callable[[Engine], None] | None]] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stopped = False
@@ -58,9 +72,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, request_id: str, add: Callable[[Engine], None]) -> RequestStream:
-        """Queue `add(engine)` (which adds the request) on the engine thread; returns its stream."""
-        stream = RequestStream(asyncio.get_running_loop())
+    def submit(self, request_id: str, add: Callable[[Engine], None], sink: OutputSink | None = None) -> OutputSink:
+        """Queue `add(engine)` (which adds the request) on the engine thread; its outputs go to
+        `sink`, by default a new RequestStream, which is returned."""
+        stream = sink or RequestStream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already running here")
@@ -94,7 +109,7 @@ class AsyncEngine:
                 self._fail_all(error)
                 continue
             self.num_steps += 1
-            deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StepOutput]]] = {}
+            deliveries: dict[asyncio.AbstractEventLoop, list[tuple[OutputSink, StepOutput]]] = {}
             with self._lock:
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
@@ -120,11 +135,11 @@ class AsyncEngine:
                 with self._lock:
                     stream = self._streams.pop(request_id, None)
                 if stream is not None:
-                    stream.put(error)
+                    stream.fail(request_id, error)
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
             self.engine.abort(request_id)
-            stream.put(error)
+            stream.fail(request_id, error)

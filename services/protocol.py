@@ -49,12 +49,28 @@ class DecodeRequest:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New tokens of one request (several when the reader lagged behind the engine)."""
+    """New tokens of one request (several when the reader lagged behind the engine). `error` ends
+    the request with a failure (a KV that failed its checksum, an engine fault)."""
 
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @staticmethod
+    def merge(deltas: list[TokenDelta]) -> TokenDelta:
+        """Consecutive deltas of one request as one (how a lagging reader catches up)."""
+        if len(deltas) == 1:
+            return deltas[0]
+        last = deltas[-1]
+        logprobs = None if deltas[0].logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
+        return TokenDelta([t for d in deltas for t in d.token_ids], logprobs, last.finish_reason,
+                          last.num_cached_tokens, next((d.error for d in deltas if d.error is not None), None))
 
 
 @dataclass(frozen=True)

@@ -174,11 +174,12 @@ def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
     data.reshape(-1).view(np.uint8)[100] ^= 1
     bad = KVPayload(data, kv.dtype, kv.checksum)
     request = DecodeRequest("bad", prompt, params, meta.first_token_id, meta.first_logprobs)
-    with pytest.raises(ray.exceptions.RayTaskError, match="checksum mismatch"):
-        ray.get(decode.admit.remote(request, [ray.put(bad)]))
-    with pytest.raises(ray.exceptions.RayTaskError, match="checksum mismatch"):
-        for ref in decode.generate.remote(request):
-            ray.get(ref)
+    channel = decode.channel.remote("test-corrupt")
+    assert ray.get(decode.admit.remote(request, [ray.put(bad)], "test-corrupt")) is None  # failures go to the channel
+    ((request_id, delta),) = ray.get(next(channel))
+    assert request_id == "bad" and delta.token_ids == [] and delta.finish_reason is None
+    assert delta.error.startswith("KVTransferError: ") and "checksum mismatch" in delta.error
+    ray.cancel(channel)
     assert ray.get(decode.stats.remote()).kv_transfer_failures == 1
     assert checks.completion(url, prompt, 5)["choices"][0]["finish_reason"] == "length"  # others go on
 
@@ -206,3 +207,27 @@ def test_metrics_endpoint_reports_router_and_worker_series(tiny_server):
 def test_non_streaming_disconnect_frees_kv(tiny_server):
     url, actors, _ = tiny_server
     checks.check_non_streaming_disconnect_frees_kv(url, actors[1:])
+
+
+def test_closing_a_channel_stops_its_requests_and_frees_their_blocks(tiny_server):
+    import time
+
+    from services.protocol import DecodeRequest
+
+    _, actors, _ = tiny_server
+    decode = actors[1]
+    total = ray.get(decode.stats.remote()).num_kv_blocks
+    channel = decode.channel.remote("test-close")
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    for i in range(3):  # no KV handle: the decode worker prefills them itself
+        ray.get(decode.admit.remote(DecodeRequest(f"long-{i}", [1, 2, 3 + i], params), None, "test-close"))
+    seen: dict[str, list[int]] = {}
+    while len(seen) < 3:
+        for request_id, delta in ray.get(next(channel)):
+            seen.setdefault(request_id, []).extend(delta.token_ids)
+    assert sorted(seen) == ["long-0", "long-1", "long-2"] and ray.get(decode.stats.remote()).num_running == 3
+    ray.cancel(channel)  # the router went away: everything it had running there stops
+    deadline = time.monotonic() + 10
+    while (stats := ray.get(decode.stats.remote())).num_running or stats.num_free_kv_blocks != total:
+        assert time.monotonic() < deadline, f"still running: {stats}"
+        time.sleep(0.05)

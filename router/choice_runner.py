@@ -1,0 +1,96 @@
+"""Running a request's choices: each choice is one request to the orchestrator; n > 1 runs them
+concurrently and interleaves their updates. Also where the request-level metrics are recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from router.choice import ChoiceState, ChoiceUpdate
+from services.metrics import METRICS
+
+if TYPE_CHECKING:
+    from router.completions import Prepared
+
+
+async def run_choices(state, prep: Prepared) -> AsyncIterator[tuple[ChoiceState, ChoiceUpdate]]:
+    """Run every choice concurrently; yield each update as it comes. Closing this iterator
+    cancels every choice, which aborts their requests on the workers."""
+    start = time.perf_counter()
+    choices = []
+    for p, prompt in enumerate(prep.prompts):
+        for j in range(prep.n):
+            # With n > 1 and a seed, choice j uses seed + j: different choices, each reproducible.
+            seed = None if prep.params.seed is None else prep.params.seed + j
+            choices.append(ChoiceState(p * prep.n + j, state.tokenizer, replace(prep.params, seed=seed), prompt))
+
+    try:
+        if len(choices) == 1:  # the common case needs no tasks: one hop less per token
+            async with contextlib.aclosing(_updates(state, prep, choices[0], start)) as updates:
+                async for update in updates:
+                    yield choices[0], update
+        else:
+            async with contextlib.aclosing(_interleaved(state, prep, choices, start)) as items:
+                async for item in items:
+                    yield item
+    finally:
+        METRICS.e2e_request_latency.observe(time.perf_counter() - start)
+        for c in choices:
+            METRICS.prompt_tokens.inc(len(c.prompt_token_ids))
+            METRICS.generation_tokens.inc(len(c.token_ids))
+            if c.finish_reason is not None:
+                METRICS.request_success.labels(c.finish_reason).inc()
+
+
+async def _updates(state, prep: Prepared, choice: ChoiceState, start: float) -> AsyncIterator[ChoiceUpdate]:
+    """One choice's updates; closing this iterator aborts its request on the workers."""
+    last = None
+    deltas = state.orchestrator.generate(f"{prep.request_id}-{choice.index}", choice.prompt_token_ids, choice.params)
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            now = time.perf_counter()
+            if last is None:
+                METRICS.time_to_first_token.observe(now - start)
+            else:
+                for _ in delta.token_ids:
+                    METRICS.inter_token_latency.observe((now - last) / len(delta.token_ids))
+            last = now
+            yield choice.update(delta)
+            if choice.finish_reason is not None:
+                return  # a stop string ended it early: closing the deltas aborts it on the worker
+
+
+async def _interleaved(state, prep: Prepared, choices: list[ChoiceState], start: float
+                       ) -> AsyncIterator[tuple[ChoiceState, ChoiceUpdate]]:
+    """Every choice's updates as they come, each choice in its own task."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def one(choice: ChoiceState) -> None:
+        try:
+            async with contextlib.aclosing(_updates(state, prep, choice, start)) as updates:
+                async for update in updates:
+                    await queue.put((choice, update))
+        except Exception as error:
+            await queue.put((choice, error))
+        finally:
+            await queue.put((choice, None))
+
+    tasks = [asyncio.create_task(one(c)) for c in choices]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            choice, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
