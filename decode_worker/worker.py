@@ -60,7 +60,8 @@ class DecodeWorker:
         channel.add(rid)
         try:
             if kv_handle is None:
-                self.engine.submit(rid, lambda e: e.add_request(rid, request.prompt_token_ids, request.params),
+                self.engine.submit(rid, lambda e: e.add_request(rid, request.prompt_token_ids, request.params,
+                                                                output_token_ids=request.output_token_ids),
                                    channel)
                 return
             held = [await self._fetch(rid, kv_handle)]

@@ -23,6 +23,11 @@ class WorkerFailed(RuntimeError):
     """The decode worker failed a request, or its stream broke."""
 
 
+class WorkerLost(WorkerFailed):
+    """The stream from the worker broke (the worker died or cannot be reached): every request on it
+    can be resumed elsewhere."""
+
+
 class RequestDeltas:
     """One request's deltas as they arrive; `get` returns everything that arrived since the last."""
 
@@ -78,10 +83,10 @@ class DecodeChannel:
                         deltas.push(delta)
                         if delta.is_last:
                             del self._requests[request_id]
-            raise WorkerFailed(f"{self.name}: the token stream ended")
+            raise WorkerLost(f"{self.name}: the token stream ended")
         except Exception as error:
             log.warning("decode channel to %s failed: %s", self.name, error)
-            failure = error if isinstance(error, WorkerFailed) else WorkerFailed(f"{self.name}: {error}")
+            failure = error if isinstance(error, WorkerLost) else WorkerLost(f"{self.name}: {error}")
             requests, self._requests = self._requests, {}
             for deltas in requests.values():
                 deltas.fail(failure)

@@ -4,23 +4,33 @@ The first token is yielded as soon as the prefill's metadata arrives, while the 
 on its way. The KV reference is owned here; it reaches the decode worker as an opaque handle of the
 KV transport in a short `admit` call, so the object is freed once the worker has copied it. The
 tokens come back on this router's channel to that worker (`decode_channel.py`).
+
+If a decode worker dies mid-stream, its streams resume on another one: the new worker prefills the
+prompt plus every token already delivered and continues from there. Sampling is seeded per position
+(the seed is fixed here when the client gave none), so the resumed stream is the one the client
+would have seen: no token lost, none repeated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import ray
 
-from router.decode_channel import DecodeChannel, WorkerFailed
+from router.decode_channel import DecodeChannel, WorkerFailed, WorkerLost
 from router.worker_pool import WorkerHandle, WorkerPool
 from services.kv_transport import KVTransport, ObjectStoreTransport
 from services.metrics import METRICS
 from services.protocol import DecodeRequest, PrefillRequest, TokenDelta
 from services.sampling_params import SamplingParams
+
+log = logging.getLogger("pdserve.router")
 
 
 class Orchestrator:
@@ -31,15 +41,17 @@ class Orchestrator:
         self.transport = transport or ObjectStoreTransport()
         self.router_id = uuid.uuid4().hex
         self.channels: dict[str, DecodeChannel] = {}
+        self.max_failovers = 2  # decode workers a stream may lose before it fails
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[TokenDelta]:
         """Token deltas of one request; closing the iterator early aborts it everywhere."""
+        if params.seed is None:  # chosen here, so that a resumed stream samples what it would have
+            params = replace(params, seed=secrets.randbits(63))
         request = DecodeRequest(request_id, prompt_token_ids, params)
         if self.mode == "colocated":
-            with self.pool.claim("decode", 1) as worker:
-                async for delta in self._decode(worker, request, None):
-                    yield delta
+            async for delta in self._decode_anywhere(request, None):
+                yield delta
             return
         with self.pool.claim("prefill", len(prompt_token_ids)) as worker:
             prefill = worker.actor.prefill.remote(PrefillRequest(request_id, prompt_token_ids, params))
@@ -58,9 +70,28 @@ class Orchestrator:
         request = DecodeRequest(request_id, prompt_token_ids, params, meta.first_token_id, meta.first_logprobs)
         kv = [await prefill.__anext__()]  # a list, so that _decode can let go of the only reference
         del prefill
-        with self.pool.claim("decode", 1) as worker:
-            async for delta in self._decode(worker, request, kv):
-                yield delta
+        async for delta in self._decode_anywhere(request, kv):
+            yield delta
+
+    async def _decode_anywhere(self, request: DecodeRequest, kv: list | None) -> AsyncIterator[TokenDelta]:
+        """Decode on the least loaded worker; if it dies, resume on another (up to max_failovers)."""
+        delivered = [] if request.first_token_id is None else [request.first_token_id]
+        for attempt in range(self.max_failovers + 1):
+            with self.pool.claim("decode", 1) as worker:
+                try:
+                    async for delta in self._decode(worker, request, kv):
+                        delivered += delta.token_ids
+                        yield delta
+                    return
+                except WorkerLost as error:
+                    worker.alive = False  # until a stats poll finds it answering again
+                    if attempt == self.max_failovers:
+                        raise
+                    log.warning("resuming %s after %d tokens: %s", request.request_id, len(delivered), error)
+                    METRICS.decode_failovers.inc()
+            kv = None
+            request = DecodeRequest(request.request_id, request.prompt_token_ids, request.params,
+                                    output_token_ids=list(delivered))
 
     async def _decode(self, worker: WorkerHandle, request: DecodeRequest, kv: list | None
                       ) -> AsyncIterator[TokenDelta]:
@@ -77,7 +108,11 @@ class Orchestrator:
         finished = False
         try:
             while not finished:
-                delta = await deltas.get()
+                try:
+                    delta = await deltas.get()
+                except WorkerLost:
+                    finished = True  # nothing is left there to abort
+                    raise
                 if delta.error is not None:
                     finished = True  # the worker has already dropped it
                     raise WorkerFailed(f"{worker.name}: {delta.error}")

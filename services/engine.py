@@ -53,13 +53,20 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    export_kv: bool = False) -> list[int]:
+                    export_kv: bool = False, output_token_ids: list[int] = ()) -> list[int]:
         """Queue a request; returns its prompt token ids. Text is tokenized (with BOS); token ids
         are used exactly as given. With `export_kv`, the step that finishes the prompt also returns
-        its KV (prefill side)."""
+        its KV (prefill side). `output_token_ids` resumes a request that already produced those
+        tokens elsewhere: they are computed with the prompt and count as output (for max_tokens,
+        min_tokens and penalties), so with the same seed it continues exactly as it would have."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_length(token_ids, params)
-        seq = self._sequence(request_id, token_ids, params)
+        outputs = [int(t) for t in output_token_ids]
+        if len(outputs) >= params.max_tokens:
+            raise ValueError(f"a resumed request has {len(outputs)} of its max_tokens={params.max_tokens} already")
+        self._check_vocab(outputs)
+        seq = self._sequence(request_id, token_ids + outputs, params)
+        seq.num_prompt_tokens = len(token_ids)
         seq.export_kv = export_kv
         self.scheduler.add(seq)
         return token_ids[:]  # the sequence's own list grows with the output
@@ -107,6 +114,9 @@ class Engine:
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                              f"({len(token_ids)}) plus max_tokens ({params.max_tokens}) exceeds it")
+        self._check_vocab(token_ids)
+
+    def _check_vocab(self, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")

@@ -37,6 +37,8 @@ class Metrics:
         self.kv_transfer_bytes = Histogram(p + "kv_transfer_bytes", "KV bytes per transfer.",
                                            buckets=BYTES_BUCKETS, registry=r)
         self.kv_transfer_failures = Counter(p + "kv_transfer_failures", "KV transfers that failed.", registry=r)
+        self.decode_failovers = Counter(p + "decode_failovers", "Streams resumed on another decode worker.",
+                                        registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(p + "request_success", "Finished requests.", ["finished_reason"],

@@ -38,13 +38,16 @@ class PrefillResult:
 class DecodeRequest:
     """Continue a request on a decode worker. With a KV payload, the prompt is already computed and
     `first_token_id` sampled; without one (colocated mode, or a resumed stream) the worker prefills
-    `prompt_token_ids` itself and `first_token_id` is None."""
+    `prompt_token_ids` itself and `first_token_id` is None. A stream resumed after its decode worker
+    died also carries the tokens it has already delivered (`output_token_ids`): they are prefilled
+    with the prompt, and only new tokens come back."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     first_token_id: int | None = None
     first_logprobs: dict[int, float] | None = None
+    output_token_ids: list[int] = ()
 
 
 @dataclass(frozen=True)

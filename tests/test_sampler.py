@@ -80,6 +80,33 @@ def test_resuming_at_a_position_continues_identically(engine):
     assert resumed.token_ids == whole[12:]
 
 
+def test_resuming_with_output_tokens_keeps_penalties_and_limits(engine):
+    """A stream resumed on another worker: the delivered tokens count as output, not prompt, so
+    penalties over output tokens, min_tokens and max_tokens go on exactly as before."""
+    eos = engine.model_config.eos_token_ids[0]
+    # Tokens 5, 6 and 7 are favoured, so they repeat and the output penalties decide the draws.
+    params = SamplingParams(max_tokens=30, temperature=0.9, seed=5, presence_penalty=1.5, frequency_penalty=0.8,
+                            min_tokens=20, logit_bias={eos: 10.0, 5: 12.0, 6: 12.0, 7: 12.0})
+    prompt = [1, 40, 41, 42]
+    whole = engine.generate([prompt], params)[0]
+    assert 20 < len(whole.token_ids) < 30 and whole.finish_reason == "stop"  # EOS held back, then taken
+    for k in (1, 12, 19):
+        engine.add_request(f"resume-{k}", prompt, params, output_token_ids=whole.token_ids[:k])
+        tokens = []
+        while engine.has_unfinished_requests:
+            for out in engine.step():
+                tokens += out.new_token_ids
+                reason = out.finish_reason
+        assert tokens == whole.token_ids[k:] and reason == "stop"
+    as_prompt = SamplingParams(**{**params.__dict__, "max_tokens": 18, "min_tokens": 8})
+    plain = engine.generate([prompt + whole.token_ids[:12]], as_prompt)
+    assert plain[0].token_ids != whole.token_ids[12:]  # as prompt tokens they would not be penalised
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("done", prompt, params, output_token_ids=[5] * 30)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", prompt, params, output_token_ids=[10**6])
+
+
 def test_top_k_one_is_greedy_and_bias_forces_a_token(engine):
     prompt = [1, 7, 8, 9]
     greedy = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
