@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -121,7 +122,10 @@ class BoundaryMiddleware:
 
 async def _respond(state: RouterState, prep: completions.Prepared, request: Request):
     if prep.stream:  # Starlette cancels the stream when the client goes; that aborts the request
-        return StreamingResponse(completions.stream(state, prep), media_type="text/event-stream",
+        # Start the request now: the prefill runs while Starlette sends the response headers.
+        events = completions.stream(state, prep)
+        first = asyncio.ensure_future(events.__anext__())
+        return StreamingResponse(_started(first, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     # A non-streamed request has no stream to cancel: watch the connection while it runs.
     task = asyncio.create_task(completions.complete(state, prep))
@@ -133,6 +137,20 @@ async def _respond(state: RouterState, prep: completions.Prepared, request: Requ
             task.cancel()  # unwinds run_choices, which cancels the workers' generators
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+
+async def _started(first: asyncio.Future, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, whose first item is already being computed in `first`."""
+    try:
+        try:
+            yield await first  # cancelling this await cancels `first`, which unwinds `events`
+        except StopAsyncIteration:
+            return
+        async for event in events:
+            yield event
+    finally:
+        if first.done():
+            await events.aclose()
 
 
 async def _poll_workers(state: RouterState) -> None:
