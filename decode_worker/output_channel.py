@@ -11,6 +11,7 @@ each item carries, for every request of that router that advanced, the tokens si
 from __future__ import annotations
 
 import asyncio
+import time
 
 from services.protocol import TokenDelta
 from services.request_output import StepOutput
@@ -27,8 +28,15 @@ class OutputChannel:
         self.loop = loop
         self.request_ids: set[str] = set()  # live requests whose outputs come here
         self.attached = False  # a router is reading the stream
+        self.renewed = time.monotonic()  # when the router last said it is alive
+        self.closed = False
         self._pending: dict[str, list[TokenDelta]] = {}
         self._ready = asyncio.Event()
+
+    def close(self) -> None:
+        """End the stream: `next_item` returns None from now on."""
+        self.closed = True
+        self._ready.set()
 
     def add(self, request_id: str) -> None:
         self.request_ids.add(request_id)
@@ -49,9 +57,12 @@ class OutputChannel:
             self.request_ids.discard(request_id)
         self._ready.set()
 
-    async def next_item(self) -> list[tuple[str, TokenDelta]]:
-        """Wait for news, then take all of it: one (request id, delta) per request that advanced."""
+    async def next_item(self) -> list[tuple[str, TokenDelta]] | None:
+        """Wait for news, then take all of it: one (request id, delta) per request that advanced;
+        None once the channel is closed."""
         await self._ready.wait()
+        if self.closed:
+            return None
         self._ready.clear()
         pending, self._pending = self._pending, {}
         return [(rid, TokenDelta.merge(deltas)) for rid, deltas in pending.items()]

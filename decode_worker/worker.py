@@ -33,20 +33,31 @@ class DecodeWorker:
         self._channels: dict[str, OutputChannel] = {}
         self._fetching: set[str] = set()  # requests whose KV is on its way
         self._aborted: set[str] = set()  # ...and were aborted meanwhile
-        self.channel_timeout = 60.0  # a channel nobody reads for this long is dropped
+        # A router renews its channels every second or so (`renew`); one silent for this long is
+        # gone (its process died: Ray does not stop an actor's stream when its caller dies), and
+        # the requests it had here are aborted rather than left to run to max_tokens.
+        self.channel_lease = 10.0
 
     async def channel(self, channel_id: str):
         """Yield lists of (request_id, TokenDelta), one per request that advanced, until cancelled
-        (a Ray streaming generator). When it ends, the router's requests still running here stop."""
+        or its lease runs out (a Ray streaming generator). When it ends, the router's requests still
+        running here stop."""
         channel = self._channels.get(channel_id)
         if channel is None or channel.attached:  # a router re-opening its channel gets a fresh one
-            channel = self._channels[channel_id] = OutputChannel(asyncio.get_running_loop())
+            channel = self._open(channel_id)
         channel.attached = True
         try:
-            while True:
-                yield await channel.next_item()
+            while (item := await channel.next_item()) is not None:
+                yield item
         finally:
             self._close(channel_id, channel)
+
+    def renew(self, channel_ids: list[str]) -> None:
+        """The router that owns these channels is alive: extend their leases."""
+        now = time.monotonic()
+        for channel_id in channel_ids:
+            if channel_id in self._channels:
+                self._channels[channel_id].renewed = now
 
     async def admit(self, request: DecodeRequest, kv_handle: object | None, channel_id: str) -> None:
         """Start `request`, its tokens going to channel `channel_id`; failures go there too.
@@ -56,7 +67,8 @@ class DecodeWorker:
         so the KV object is freed once it is copied, not when the request ends.
         """
         rid = request.request_id
-        channel = self._channel(channel_id)
+        channel = self._channels.get(channel_id) or self._open(channel_id)  # admit may come first
+        channel.renewed = time.monotonic()
         channel.add(rid)
         try:
             if kv_handle is None:
@@ -102,20 +114,23 @@ class DecodeWorker:
         for channel in self._channels.values():
             channel.request_ids.discard(request_id)
 
-    def _channel(self, channel_id: str) -> OutputChannel:
-        """The channel `admit` should use; `admit` may arrive before `channel` starts reading it."""
-        channel = self._channels.get(channel_id)
-        if channel is None:
-            loop = asyncio.get_running_loop()
-            channel = self._channels[channel_id] = OutputChannel(loop)
-            loop.call_later(self.channel_timeout, self._expire, channel_id, channel)
+    def _open(self, channel_id: str) -> OutputChannel:
+        loop = asyncio.get_running_loop()
+        channel = self._channels[channel_id] = OutputChannel(loop)
+        loop.call_later(self.channel_lease, self._check_lease, channel_id, channel)
         return channel
 
-    def _expire(self, channel_id: str, channel: OutputChannel) -> None:
-        if not channel.attached:  # the router that admitted into it never came to read it
+    def _check_lease(self, channel_id: str, channel: OutputChannel) -> None:
+        if channel.closed:
+            return
+        left = channel.renewed + self.channel_lease - time.monotonic()
+        if left > 0:
+            channel.loop.call_later(left, self._check_lease, channel_id, channel)
+        else:
             self._close(channel_id, channel)
 
     def _close(self, channel_id: str, channel: OutputChannel) -> None:
+        channel.close()
         if self._channels.get(channel_id) is channel:
             del self._channels[channel_id]
         for rid in list(channel.request_ids):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from router.worker_pool import WorkerPool
 from services.metrics import METRICS
 from services.tokenizer import Tokenizer
 
+log = logging.getLogger("pdserve.router")
 
 @dataclass
 class RouterState:
@@ -154,9 +156,14 @@ async def _started(first: asyncio.Future, events: AsyncIterator[str]) -> AsyncIt
 
 
 async def _poll_workers(state: RouterState) -> None:
-    """Refresh load and health, and copy the workers' counters into the metrics."""
+    """Renew this router's channels; refresh load and health; copy the workers' counters into the
+    metrics."""
     while True:
         started = time.perf_counter()
+        try:
+            await state.orchestrator.renew_channels()
+        except Exception:  # a worker that does not answer: its channel's own stream will tell
+            log.warning("renewing decode channels timed out")
         for stats in await state.pool.stats():
             METRICS.record_worker(stats)
         await state.pool.refresh_stats()

@@ -124,6 +124,12 @@ class Orchestrator:
                 worker.actor.abort.remote(request.request_id)
             METRICS.request_decode_time.observe(time.perf_counter() - start)
 
+    async def renew_channels(self, timeout: float = 2.0) -> None:
+        """Tell every decode worker with a channel from this router that the router is alive (a
+        worker drops channels whose lease runs out, and aborts their requests)."""
+        calls = [channel.actor.renew.remote([channel.channel_id]) for channel in self.channels.values()]
+        await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout)
+
     def shutdown(self) -> None:
         for channel in self.channels.values():
             channel.shutdown()

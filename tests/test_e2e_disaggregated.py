@@ -231,3 +231,46 @@ def test_closing_a_channel_stops_its_requests_and_frees_their_blocks(tiny_server
     while (stats := ray.get(decode.stats.remote())).num_running or stats.num_free_kv_blocks != total:
         assert time.monotonic() < deadline, f"still running: {stats}"
         time.sleep(0.05)
+
+
+ORPHAN_ROUTER = r"""
+import sys
+import ray
+from services.protocol import DecodeRequest
+from services.sampling_params import SamplingParams
+ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR")
+decode = ray.get_actor("decode-0", namespace=sys.argv[2])
+channel = decode.channel.remote("dead-router")
+params = SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True)
+ray.get(decode.admit.remote(DecodeRequest("orphan", [1, 2, 3], params), None, "dead-router"))
+ray.get(next(channel))
+print("streaming", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_dead_routers_requests_are_aborted_when_its_channel_lease_runs_out(tiny_server):
+    import subprocess
+    import sys
+    import time
+
+    _, actors, _ = tiny_server
+    decode = actors[1]
+    before = ray.get(decode.stats.remote())
+    # 2.5 s: long enough for the test router's own channel, renewed every second, short enough
+    # that the orphan (1,900 tokens at a few ms each) is still running when it expires.
+    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", 2.5)))
+    try:
+        router = subprocess.Popen([sys.executable, "-c", ORPHAN_ROUTER, ray.get_runtime_context().gcs_address,
+                                   "pd-tiny"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert router.stdout.readline().strip() == "streaming"
+        assert ray.get(decode.stats.remote()).num_running == 1
+        router.kill()  # SIGKILL: no goodbye; Ray keeps the worker's side of the stream open
+        router.wait()
+        deadline = time.monotonic() + 10
+        while (stats := ray.get(decode.stats.remote())).num_running or stats.num_free_kv_blocks != before.num_kv_blocks:
+            assert time.monotonic() < deadline, f"the orphaned request still runs: {stats}"
+            time.sleep(0.1)
+        assert stats.num_tokens_processed - before.num_tokens_processed < 1900  # aborted, not finished
+    finally:
+        ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", 10.0)))
