@@ -25,7 +25,7 @@ async def run_choices(state, prep: Prepared) -> AsyncIterator[tuple[ChoiceState,
     for p, prompt in enumerate(prep.prompts):
         for j in range(prep.n):
             # With n > 1 and a seed, choice j uses seed + j: different choices, each reproducible.
-            seed = None if prep.params.seed is None else prep.params.seed + j
+            seed = None if prep.params.seed is None else (prep.params.seed + j) % 2**63
             choices.append(ChoiceState(p * prep.n + j, state.tokenizer, replace(prep.params, seed=seed), prompt))
 
     try:

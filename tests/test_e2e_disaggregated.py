@@ -274,3 +274,21 @@ def test_a_dead_routers_requests_are_aborted_when_its_channel_lease_runs_out(tin
         assert stats.num_tokens_processed - before.num_tokens_processed < 1900  # aborted, not finished
     finally:
         ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", 10.0)))
+
+
+def test_n_choices_are_seeded_seed_plus_index_through_the_split_path(tiny_server):
+    from services import Engine
+
+    url, _, model = tiny_server
+    engine = Engine(model=model)
+    prompt = [1, 30, 31, 32]
+    for seed in (7, 2**63 - 1):  # the last seed wraps: choice 1 uses seed 0
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.8, "seed": seed, "n": 3, "ignore_eos": True}
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        out = response.json()
+        expected = [engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True,
+                                                             seed=(seed + j) % 2**63))[0].text for j in range(3)]
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in out["choices"]] == expected and len(set(expected)) == 3
+        assert out["usage"]["completion_tokens"] == 24 and out["usage"]["prompt_tokens"] == 4
