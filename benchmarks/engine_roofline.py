@@ -6,8 +6,9 @@ On the `1b` preset (random weights), per serving dtype:
   (lm_head included; the embedding gather is not counted apart, since with tied embeddings the
   table is the lm_head) + the KV of the context. MBU = bytes / step time / read-bandwidth ceiling.
 - prefill of one 1,024-token prompt in a single step: FLOPs = 2 x T x (the four projection matrices
-  of every layer) + 2 x lm_head (logits of the last token only) + attention 4 x L x T^2/2 x H*Dh
-  (causal QK^T and PV); norms, rotary, softmax and SiLU are not counted.
+  of every layer) + 2 x lm_head (logits of the last token only) + attention 4 x L x T(T+1)/2 x H*Dh
+  (causal QK^T and PV); norms, rotary, softmax and SiLU are not counted. Both counts come from
+  `services/roofline.py`, the formulas behind the live `pdserve:*_utilization` gauges.
   MFU = FLOPs / step time / matmul ceiling of the dtype.
 - decode, batch 32 (32 requests decoding, ~128-token contexts): tokens/s against batch 1.
 
@@ -42,27 +43,6 @@ from services import Engine, SamplingParams
 from services.model_config import ModelConfig
 
 TARGETS = {"decode_mbu": 0.60, "prefill_mfu": 0.50, "batch_speedup": 10.0}
-
-
-def weight_bytes(model) -> dict[str, int]:
-    """Bytes and parameter counts of the tensors a forward reads, each storage counted once."""
-    seen: set[int] = set()
-    counts = {"layer_matmul_params": 0, "other_params": 0, "lm_head_params": 0, "bytes": 0}
-
-    def add(tensor: torch.Tensor | None, key: str) -> None:
-        if tensor is None or tensor.data_ptr() in seen:
-            return
-        seen.add(tensor.data_ptr())
-        counts[key] += tensor.numel()
-        counts["bytes"] += tensor.numel() * tensor.element_size()
-
-    add(model.lm_head, "lm_head_params")
-    add(model.final_norm, "other_params")
-    for layer in model.layers:
-        for field in dataclasses.fields(layer):
-            tensor = getattr(layer, field.name)
-            add(tensor, "layer_matmul_params" if tensor is not None and tensor.dim() == 2 else "other_params")
-    return counts
 
 
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -153,9 +133,10 @@ def measure_dtype(folder, dtype: str, read_probe: ceilings_mod.ReadProbe, args) 
                     max_num_batched_tokens=max(2048, args.prefill_tokens),
                     max_model_len=min(2048 + args.prefill_tokens, ModelConfig.from_folder(folder).max_position_embeddings),
                     num_threads=args.threads, kv_cache_memory_gb=1.0)
-    c = engine.model_config
     rng = random.Random(args.seed)
-    weights = weight_bytes(engine.runner.model)
+    cost = engine.runner.cost  # the same formulas the live efficiency gauges use (services/roofline.py)
+    weights = {"bytes": cost.weight_bytes, "layer_matmul_params": cost.layer_matmul_params,
+               "lm_head_params": cost.lm_head_params}
     kv_per_token = engine.runner.kv_bytes_per_token
 
     b1 = decode_samples(engine, rng, 1, args, weights["bytes"], read_probe)
@@ -163,8 +144,7 @@ def measure_dtype(folder, dtype: str, read_probe: ceilings_mod.ReadProbe, args) 
     b1 |= {"target": TARGETS["decode_mbu"], "pass": b1["utilization"] >= TARGETS["decode_mbu"]}
 
     t = args.prefill_tokens
-    flops = (2 * t * weights["layer_matmul_params"] + 2 * weights["lm_head_params"]
-             + 4 * c.num_layers * t * t / 2 * c.num_heads * c.head_dim)
+    flops = cost.prefill_flops([t], [t], 1)
     mm_probe = ceilings_mod.MatmulProbe(getattr(torch, dtype))
     mm_probe(10)  # bring the matrix units up to speed before the first pairing
     prefill = prefill_samples(engine, rng, args, flops, mm_probe)

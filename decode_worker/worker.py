@@ -19,13 +19,14 @@ from decode_worker.output_channel import OutputChannel
 from services.kv_transport import TRANSPORTS
 from services.protocol import DecodeRequest, WorkerStats
 from services.scheduler import SampledToken
-from services.worker_runtime import WorkerSpec, start_engine, worker_stats
+from services.worker_runtime import WorkerSpec, hardware_peaks, start_engine, worker_stats
 
 
 class DecodeWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.engine = start_engine(spec)
+        self.peaks = hardware_peaks(spec, self.engine)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self.kv_transfers: list[tuple[float, int]] = []  # (seconds, bytes) since the last drain
         self.transport = TRANSPORTS[spec.kv_transport]()
@@ -142,7 +143,7 @@ class DecodeWorker:
     def stats(self) -> WorkerStats:
         """Counters, plus the KV transfers seen since the last call (the caller records them)."""
         transfers, self.kv_transfers = tuple(self.kv_transfers), []
-        return dataclasses.replace(worker_stats(self.spec, self.engine, self.node_id), kv_transfers=transfers,
+        return dataclasses.replace(worker_stats(self.spec, self.engine, self.node_id, self.peaks), kv_transfers=transfers,
                                    kv_transfer_failures=self.kv_transfer_failures)
 
     def shutdown(self) -> None:

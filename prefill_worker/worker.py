@@ -17,13 +17,14 @@ import ray
 
 from services.kv_payload import KVPayload
 from services.protocol import PrefillRequest, PrefillResult, WorkerStats
-from services.worker_runtime import WorkerSpec, start_engine, worker_stats
+from services.worker_runtime import WorkerSpec, hardware_peaks, start_engine, worker_stats
 
 
 class PrefillWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.engine = start_engine(spec)
+        self.peaks = hardware_peaks(spec, self.engine)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
     async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillResult | KVPayload]:
@@ -58,7 +59,7 @@ class PrefillWorker:
         return self.spec.worker_id
 
     def stats(self) -> WorkerStats:
-        return worker_stats(self.spec, self.engine, self.node_id)
+        return worker_stats(self.spec, self.engine, self.node_id, self.peaks)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

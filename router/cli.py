@@ -28,6 +28,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-kv-blocks", type=_positive_int, default=None)
     serve.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--peak-tflops", type=_positive_float, default=None,
+                       help="each worker's matmul peak for the efficiency gauges (default: measured at start-up)")
+    serve.add_argument("--peak-gbps", type=_positive_float, default=None,
+                       help="each worker's memory bandwidth, GB/s, for the gauges (default: measured at start-up)")
     serve.add_argument("--no-pin-cpus", action="store_true", help="do not pin each local worker to its own cores")
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
@@ -120,7 +131,9 @@ def serve(args: argparse.Namespace) -> None:
                        num_colocated=args.workers, namespace=args.namespace, prefill_resource=args.prefill_resource,
                        decode_resource=args.decode_resource, prefill_labels=args.prefill_labels,
                        decode_labels=args.decode_labels, engine_options=options, pin_cpus=not args.no_pin_cpus,
-                       detached=args.detached)
+                       detached=args.detached,
+                       peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
+                       peak_bytes_per_second=None if args.peak_gbps is None else args.peak_gbps * 1e9)
     address = None if args.address is None else args.address
     run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, args.api_key)
 

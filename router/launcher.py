@@ -40,6 +40,8 @@ class ClusterSpec:
     pin_cpus: bool = True  # on one host: give each worker its own cores
     detached: bool = False  # workers outlive this process (a router restart keeps them)
     startup_timeout: float = 300.0
+    peak_flops: float | None = None  # each worker's ceilings for the efficiency gauges; None: measured
+    peak_bytes_per_second: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -47,6 +49,10 @@ class ClusterSpec:
         for name in ("num_prefill", "num_decode", "num_colocated"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("peak_flops", "peak_bytes_per_second"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be positive, got {value}")
         EngineConfig(model=self.model, **self.engine_options)  # refuse bad engine options up front
 
     def labels(self, role: str) -> dict[str, str] | None:
@@ -129,7 +135,8 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
             options["resources"] = {resource: 1}
         if spec.detached:
             options["lifetime"] = "detached"
-        worker_spec = WorkerSpec(name, role, spec.model, dict(spec.engine_options), cpus)
+        worker_spec = WorkerSpec(name, role, spec.model, dict(spec.engine_options), cpus,
+                                 peak_flops=spec.peak_flops, peak_bytes_per_second=spec.peak_bytes_per_second)
         actors.append(ray.remote(cls).options(**options).remote(worker_spec))
     _wait_ready(actors, [n for n, _, _ in roles], spec.startup_timeout)
     return actors

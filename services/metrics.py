@@ -53,7 +53,24 @@ class Metrics:
         self.kv_cache_usage_perc = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use.", ["worker"],
                                          registry=r)
         self.workers_alive = Gauge(p + "workers_alive", "Workers answering pings.", ["role"], registry=r)
+        # Per-phase efficiency: achieved rates over the steps of each phase since the last report
+        # (busy time, not wall time), and their ratio to the worker's own measured ceiling.
+        self.prefill_flops_per_second = Gauge(p + "prefill_flops_per_second", "Prefill steps' FLOP/s.",
+                                              ["worker"], registry=r)
+        self.prefill_flops_utilization = Gauge(p + "prefill_flops_utilization",
+                                               "Prefill FLOP/s over the worker's matmul peak (MFU).", ["worker"],
+                                               registry=r)
+        self.decode_bytes_per_second = Gauge(p + "decode_bytes_per_second", "Decode steps' bytes read per second.",
+                                             ["worker"], registry=r)
+        self.decode_bandwidth_utilization = Gauge(p + "decode_bandwidth_utilization",
+                                                  "Decode bytes/s over the worker's memory bandwidth (MBU).",
+                                                  ["worker"], registry=r)
+        self.peak_flops_per_second = Gauge(p + "peak_flops_per_second", "The worker's measured matmul peak.",
+                                           ["worker"], registry=r)
+        self.peak_bytes_per_second = Gauge(p + "peak_bytes_per_second", "The worker's measured memory bandwidth.",
+                                           ["worker"], registry=r)
         self._seen: dict[tuple[str, str], float] = {}
+        self._phase_seen: dict[tuple[str, str], tuple[int, float]] = {}
 
     def record_worker(self, stats) -> None:
         """Copy one `services.protocol.WorkerStats` report into the gauges and counters."""
@@ -68,9 +85,27 @@ class Metrics:
             if delta > 0:  # the worker's totals are cumulative; Prometheus counters only go up
                 counter.inc(delta)
             self._seen[(w, name)] = total
+        self._record_efficiency(stats)
         for seconds, num_bytes in stats.kv_transfers:
             self.kv_transfer_seconds.observe(seconds)
             self.kv_transfer_bytes.observe(num_bytes)
+
+    def _record_efficiency(self, stats) -> None:
+        w = stats.worker_id
+        self.peak_flops_per_second.labels(w).set(stats.peak_flops)
+        self.peak_bytes_per_second.labels(w).set(stats.peak_bytes_per_second)
+        for phase, work, seconds, rate, utilization, peak in (
+                ("prefill", stats.prefill_flops, stats.prefill_seconds, self.prefill_flops_per_second,
+                 self.prefill_flops_utilization, stats.peak_flops),
+                ("decode", stats.decode_bytes, stats.decode_seconds, self.decode_bytes_per_second,
+                 self.decode_bandwidth_utilization, stats.peak_bytes_per_second)):
+            key = (w, phase)
+            last_work, last_seconds = self._phase_seen.get(key, (0, 0.0))
+            if seconds > last_seconds:  # the phase ran since the last report; else keep the last value
+                achieved = (work - last_work) / (seconds - last_seconds)
+                rate.labels(w).set(achieved)
+                utilization.labels(w).set(achieved / peak if peak > 0 else 0.0)
+            self._phase_seen[key] = (work, seconds)
 
 
 METRICS = Metrics()

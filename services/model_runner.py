@@ -5,6 +5,7 @@ Also the KV hand-off: export a sequence's KV as one contiguous array, import one
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -13,6 +14,7 @@ from services.attention import AttentionMetadata
 from services.kv_payload import KVPayload
 from services.model import LlamaModel
 from services.model_config import ModelConfig
+from services.roofline import ModelCost, PhaseTotals
 from services.sampler import sample
 from services.scheduler import SampledToken, ScheduledBatch
 from services.sequence import Sequence
@@ -33,6 +35,8 @@ class ModelRunner:
                                     config.head_dim, dtype=dtype, device=device)
         self.kv_slots = self.kv_cache.view(config.num_layers, 2, num_blocks * block_size,
                                            config.num_kv_heads, config.head_dim)  # [L, 2, S, K, Dh]
+        self.cost = ModelCost.of(self.model, self.kv_bytes_per_token)
+        self.phase_totals = PhaseTotals()  # work and busy time per phase, for the efficiency gauges
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -42,6 +46,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[list[SampledToken | None], dict[str, KVPayload]]:
         """Forward one step. Returns a token per sequence that reached its last token (else None)
         and the exported KV of every `export_kv` sequence whose prompt completed this step."""
+        start_time = time.perf_counter()
         for seq in batch.kv_imports:
             self.import_kv(seq)
         input_ids, positions, seq_index = [], [], []
@@ -59,7 +64,10 @@ class ModelRunner:
                                     self._tensor(logit_indices))
         exported = {s.request_id: self.export_kv(s, s.num_tokens) for s in sampling_seqs if s.export_kv}
         tokens = iter(sample(logits, sampling_seqs, self.config.eos_token_ids) if sampling_seqs else [])
-        return [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))], exported
+        sampled = [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]
+        self.phase_totals.record(self.cost, batch.num_new_tokens, meta.context_lens, len(sampling_seqs),
+                                 time.perf_counter() - start_time)  # sampling ends with a device sync
+        return sampled, exported
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -91,3 +91,11 @@ class WorkerStats:
     num_steps: int
     kv_transfers: tuple[tuple[float, int], ...] = ()  # (seconds, bytes) of KV fetched since the last call
     kv_transfer_failures: int = 0
+    # Running totals for the efficiency gauges (services/roofline.py): work done and busy seconds
+    # per phase, and this worker's ceilings.
+    prefill_flops: int = 0
+    prefill_seconds: float = 0.0
+    decode_bytes: int = 0
+    decode_seconds: float = 0.0
+    peak_flops: float = 0.0
+    peak_bytes_per_second: float = 0.0

@@ -19,6 +19,8 @@ class WorkerSpec:
     engine_options: dict[str, object] = field(default_factory=dict)
     cpu_ids: tuple[int, ...] | None = None  # pin the process here and use one torch thread each
     kv_transport: str = "object_store"  # a key of services.kv_transport.TRANSPORTS
+    peak_flops: float | None = None  # this worker's ceilings, if known; else measured at start-up
+    peak_bytes_per_second: float | None = None
 
 
 def start_engine(spec: WorkerSpec) -> AsyncEngine:
@@ -32,13 +34,27 @@ def start_engine(spec: WorkerSpec) -> AsyncEngine:
     return AsyncEngine(Engine(model=spec.model, **options))
 
 
-def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str) -> WorkerStats:
+def hardware_peaks(spec: WorkerSpec, engine: AsyncEngine):
+    """The ceilings the efficiency gauges divide by: the spec's, else measured here, now."""
+    from services.hardware_peaks import HardwarePeaks
+
+    if spec.peak_flops is not None and spec.peak_bytes_per_second is not None:
+        return HardwarePeaks(spec.peak_flops, spec.peak_bytes_per_second)
+    measured = HardwarePeaks.measure(engine.engine.dtype, engine.engine.device)
+    return HardwarePeaks(spec.peak_flops or measured.flops, spec.peak_bytes_per_second or measured.bytes_per_second)
+
+
+def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks) -> WorkerStats:
     e = engine.engine
     bm = e.block_manager
+    phases = e.runner.phase_totals
     return WorkerStats(
         worker_id=spec.worker_id, role=spec.role, node_id=node_id,
         num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
         num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
         num_tokens_processed=e.num_tokens_processed, num_prefix_queries=bm.num_prefix_queries,
         num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps,
+        prefill_flops=phases.prefill_flops, prefill_seconds=phases.prefill_seconds,
+        decode_bytes=phases.decode_bytes, decode_seconds=phases.decode_seconds,
+        peak_flops=peaks.flops, peak_bytes_per_second=peaks.bytes_per_second,
     )

@@ -13,8 +13,10 @@ from services.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def server(tiny_path):
     with two_node_cluster(num_decode_slots=2) as _:
+        # Known ceilings given: the workers skip their start-up probe and report these.
         spec = ClusterSpec(model=str(tiny_path), mode="colocated", num_colocated=2, namespace="pd-colo",
-                           engine_options={"num_threads": 1, "max_num_seqs": 32})
+                           engine_options={"num_threads": 1, "max_num_seqs": 32}, peak_flops=2e12,
+                           peak_bytes_per_second=5e10)
         with router_server(spec) as (url, actors, _):
             yield url, actors, str(tiny_path)
 
@@ -40,3 +42,11 @@ def test_disconnect_frees_kv(server):
 def test_non_streaming_disconnect_frees_kv(server):
     url, actors, _ = server
     checks.check_non_streaming_disconnect_frees_kv(url, actors)
+
+
+def test_workers_report_the_given_ceilings(server):
+    import ray
+
+    _, actors, _ = server
+    stats = [ray.get(a.stats.remote()) for a in actors]
+    assert [(s.peak_flops, s.peak_bytes_per_second) for s in stats] == [(2e12, 5e10)] * 2

@@ -202,6 +202,12 @@ def test_metrics_endpoint_reports_router_and_worker_series(tiny_server):
     assert values['pdserve:workers_alive{role="prefill"}'] == 1
     assert values['pdserve:workers_alive{role="decode"}'] == 1
     assert values['pdserve:request_success_total{finished_reason="length"}'] >= 1
+    # Per-phase efficiency: each worker's achieved rate in its own phase over its measured ceiling.
+    for worker, rate, utilization, peak in (
+            ("prefill-0", "prefill_flops_per_second", "prefill_flops_utilization", "peak_flops_per_second"),
+            ("decode-0", "decode_bytes_per_second", "decode_bandwidth_utilization", "peak_bytes_per_second")):
+        rate, utilization, peak = (values[f'pdserve:{name}{{worker="{worker}"}}'] for name in (rate, utilization, peak))
+        assert rate > 0 and peak > 0 and utilization == pytest.approx(rate / peak, rel=1e-9)
 
 
 def test_non_streaming_disconnect_frees_kv(tiny_server):

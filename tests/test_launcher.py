@@ -52,6 +52,8 @@ def test_bad_engine_options_and_model_folder_are_refused(tmp_path):
         ClusterSpec(model="x", engine_options={"block_size": 0})
     with pytest.raises(ValueError, match="mode must be"):
         ClusterSpec(model="x", mode="mixed")
+    with pytest.raises(ValueError, match="peak_flops must be positive"):
+        ClusterSpec(model="x", peak_flops=0.0)
     with pytest.raises(ValueError, match="config.json"):
         validate_topology(ClusterSpec(model=str(tmp_path)))
 
@@ -60,6 +62,8 @@ def test_bad_engine_options_and_model_folder_are_refused(tmp_path):
     ["serve", "--port", "0"], ["serve", "--prefill", "0"], ["serve", "--mode", "mixed"],
     ["serve", "--prefill-labels", "role"], ["make-model", "--preset", "huge", "--out", "x"],
     ["generate", "--prompt", "x", "--max-tokens", "-1"], ["generate", "--prompt", "x", "--temperature", "nan"],
+    ["serve", "--peak-tflops", "0"], ["serve", "--peak-gbps", "-3"], ["serve", "--peak-gbps", "inf"],
+    ["serve", "--peak-tflops", "nan"],
 ])
 def test_cli_refuses_bad_flags(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

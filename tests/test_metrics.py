@@ -34,3 +34,19 @@ def test_worker_report_sets_gauges_and_increments_counters_by_the_delta():
     for name in ("pdserve:time_to_first_token_seconds_bucket", "pdserve:inter_token_latency_seconds_bucket",
                  "pdserve:e2e_request_latency_seconds_bucket", "pdserve:request_success_total"):
         assert name in text or name.replace("_bucket", "") in text
+
+
+def test_efficiency_gauges_are_rates_over_the_window_since_the_last_report():
+    m = Metrics()
+    w = {"worker": "decode-0"}
+    peaks = dict(peak_flops=1e12, peak_bytes_per_second=20e9)
+    m.record_worker(stats(prefill_flops=4e11, prefill_seconds=1.0, decode_bytes=10e9, decode_seconds=1.0, **peaks))
+    assert sample(m, "pdserve:prefill_flops_per_second", w) == 4e11
+    assert sample(m, "pdserve:prefill_flops_utilization", w) == 0.4
+    assert sample(m, "pdserve:decode_bandwidth_utilization", w) == 0.5
+    assert sample(m, "pdserve:peak_bytes_per_second", w) == 20e9
+    # Next window: 3e11 more FLOPs in 0.5 s of prefill (6e11 FLOP/s); no decode ran: its gauges stay.
+    m.record_worker(stats(prefill_flops=7e11, prefill_seconds=1.5, decode_bytes=10e9, decode_seconds=1.0, **peaks))
+    assert sample(m, "pdserve:prefill_flops_per_second", w) == 6e11
+    assert sample(m, "pdserve:prefill_flops_utilization", w) == 0.6
+    assert sample(m, "pdserve:decode_bytes_per_second", w) == 10e9

@@ -1,0 +1,45 @@
+"""A worker's own ceilings, measured once at start-up on its cores and in its dtype: matmul FLOP/s
+(what bounds prefill) and memory read bandwidth (what bounds decode). The efficiency gauges divide
+the achieved rates by these. A short probe (~0.3 s) — `benchmarks/ceilings.py` measures the same
+things more carefully; pass known figures (`--peak-tflops`, `--peak-gbps`) to skip it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class HardwarePeaks:
+    flops: float  # matmul FLOP/s in the serving dtype
+    bytes_per_second: float  # memory read bandwidth
+
+    @classmethod
+    def measure(cls, dtype: torch.dtype, device: torch.device, matmul_size: int = 1024,
+                read_bytes: int = 512 * 2**20) -> HardwarePeaks:
+        a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
+        b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
+        matmul = _best_seconds(lambda: F.linear(a, b), device, repeats=12)  # bf16 units need a warm-up
+        # A matrix-vector product streams memory faster than a sum on CPU; the buffer is larger than
+        # any cache, so it measures DRAM (or HBM) reads.
+        columns = 4096
+        matrix = torch.ones(read_bytes // 4 // columns, columns, device=device)
+        vector = torch.ones(1, columns, device=device)
+        read = _best_seconds(lambda: F.linear(vector, matrix), device, repeats=3)
+        return cls(2 * matmul_size**3 / matmul, matrix.numel() * 4 / read)
+
+
+def _best_seconds(fn, device: torch.device, repeats: int) -> float:
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+    return best
