@@ -71,7 +71,8 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        await state.pool.refresh_stats()
+        for stats in await state.pool.poll():
+            METRICS.record_worker(stats)
         roles = {"prefill": "prefill" if state.orchestrator.mode == "disaggregated" else "decode",
                  "decode": "decode"}
         missing = [r for r, pool_role in roles.items() if not state.pool.role(pool_role)]
@@ -164,9 +165,8 @@ async def _poll_workers(state: RouterState) -> None:
             await state.orchestrator.renew_channels()
         except Exception:  # a worker that does not answer: its channel's own stream will tell
             log.warning("renewing decode channels timed out")
-        for stats in await state.pool.stats():
+        for stats in await state.pool.poll():
             METRICS.record_worker(stats)
-        await state.pool.refresh_stats()
         for role in ("prefill", "decode"):
             METRICS.workers_alive.labels(role).set(len(state.pool.role(role)))
         await asyncio.sleep(max(0.0, state.stats_interval - (time.perf_counter() - started)))

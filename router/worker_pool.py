@@ -63,24 +63,19 @@ class WorkerPool:
         finally:
             worker.outstanding -= load
 
-    async def refresh_stats(self, timeout: float = 2.0) -> None:
-        """Ping every worker for its stats; a worker that does not answer is marked dead."""
-        async def one(worker: WorkerHandle) -> None:
+    async def poll(self, timeout: float = 2.0) -> list:
+        """Every worker's `stats()`; refreshes health and free KV. A worker that does not answer is
+        marked dead until it does. One call per poll: a report carries the samples (KV transfers,
+        queue times) gathered since the previous one, so each must be recorded."""
+        async def one(worker: WorkerHandle):
             try:
                 stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout)
-                worker.free_kv_blocks, worker.alive = stats.num_free_kv_blocks, True
             except Exception:  # a dead actor, a timeout: either way it cannot take requests now
                 if worker.alive:
                     log.warning("worker %s is not answering", worker.name)
                 worker.alive = False
-
-        await asyncio.gather(*(one(w) for w in self.workers.values()))
-
-    async def stats(self, timeout: float = 2.0) -> list:
-        async def one(worker: WorkerHandle):
-            try:
-                return await asyncio.wait_for(worker.actor.stats.remote(), timeout)
-            except Exception:
                 return None
+            worker.free_kv_blocks, worker.alive = stats.num_free_kv_blocks, True
+            return stats
 
         return [s for s in await asyncio.gather(*(one(w) for w in self.workers.values())) if s is not None]

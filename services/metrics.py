@@ -86,6 +86,8 @@ class Metrics:
                 counter.inc(delta)
             self._seen[(w, name)] = total
         self._record_efficiency(stats)
+        for seconds in stats.queue_times:
+            self.request_queue_time.observe(seconds)
         for seconds, num_bytes in stats.kv_transfers:
             self.kv_transfer_seconds.observe(seconds)
             self.kv_transfer_bytes.observe(num_bytes)

@@ -91,6 +91,7 @@ class WorkerStats:
     num_steps: int
     kv_transfers: tuple[tuple[float, int], ...] = ()  # (seconds, bytes) of KV fetched since the last call
     kv_transfer_failures: int = 0
+    queue_times: tuple[float, ...] = ()  # seconds prompts waited for their first step, since the last call
     # Running totals for the efficiency gauges (services/roofline.py): work done and busy seconds
     # per phase, and this worker's ceilings.
     prefill_flops: int = 0

@@ -9,6 +9,7 @@ position. Waiting sequences are admitted first-come first-served while blocks an
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Seconds each prompt computed here waited before its first step, until the worker
+        # reports them (`pdserve:request_queue_time_seconds`).
+        self.queue_times: list[float] = []
 
     @property
     def has_work(self) -> bool:
@@ -96,6 +100,8 @@ class Scheduler:
             if num_new is None:
                 break  # first come, first served: do not let later requests overtake the head
             self.waiting.popleft()
+            if seq.kv_payload is None and seq.num_preemptions == 0:  # its prompt starts here, now
+                self.queue_times.append(time.monotonic() - seq.arrival_time)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -44,6 +45,7 @@ class Sequence:
     kv_payload: object | None = None  # services.kv_payload.KVPayload awaiting import (decode side)
     export_kv: bool = False  # prefill side: return the prompt's KV when the prompt is done
     num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def num_tokens(self) -> int:

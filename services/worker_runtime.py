@@ -48,6 +48,9 @@ def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks) -> 
     e = engine.engine
     bm = e.block_manager
     phases = e.runner.phase_totals
+    # Swapped, not cleared: the engine thread may be appending meanwhile.
+    taken, e.scheduler.queue_times = e.scheduler.queue_times, []
+    queue_times = tuple(taken)
     return WorkerStats(
         worker_id=spec.worker_id, role=spec.role, node_id=node_id,
         num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
@@ -56,5 +59,5 @@ def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks) -> 
         num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps,
         prefill_flops=phases.prefill_flops, prefill_seconds=phases.prefill_seconds,
         decode_bytes=phases.decode_bytes, decode_seconds=phases.decode_seconds,
-        peak_flops=peaks.flops, peak_bytes_per_second=peaks.bytes_per_second,
+        peak_flops=peaks.flops, peak_bytes_per_second=peaks.bytes_per_second, queue_times=queue_times,
     )

@@ -202,6 +202,7 @@ def test_metrics_endpoint_reports_router_and_worker_series(tiny_server):
     assert values['pdserve:workers_alive{role="prefill"}'] == 1
     assert values['pdserve:workers_alive{role="decode"}'] == 1
     assert values['pdserve:request_success_total{finished_reason="length"}'] >= 1
+    assert values["pdserve:request_queue_time_seconds_count"] >= 1  # from the prefill worker
     # Per-phase efficiency: each worker's achieved rate in its own phase over its measured ceiling.
     for worker, rate, utilization, peak in (
             ("prefill-0", "prefill_flops_per_second", "prefill_flops_utilization", "peak_flops_per_second"),

@@ -50,3 +50,10 @@ def test_efficiency_gauges_are_rates_over_the_window_since_the_last_report():
     assert sample(m, "pdserve:prefill_flops_per_second", w) == 6e11
     assert sample(m, "pdserve:prefill_flops_utilization", w) == 0.6
     assert sample(m, "pdserve:decode_bytes_per_second", w) == 10e9
+
+
+def test_queue_times_reported_by_workers_are_observed():
+    m = Metrics()
+    m.record_worker(stats(queue_times=(0.002, 0.25)))
+    assert sample(m, "pdserve:request_queue_time_seconds_count") == 2
+    assert sample(m, "pdserve:request_queue_time_seconds_sum") == 0.252

@@ -92,3 +92,22 @@ def test_prefilled_sequence_joins_running_batch_and_abort_frees():
     assert sched.abort("p").finish_reason is FinishReason.ABORT
     assert bm.num_free_blocks == 8 and not sched.has_work
     assert sched.abort("missing") is None
+
+
+def test_queue_time_is_recorded_once_per_prompt_computed_here():
+    sched, bm = make(num_blocks=8, block_size=4, max_num_seqs=1)
+    a, b = seq("a", 4, 0), seq("b", 4, 1)
+    a.arrival_time -= 2.0  # arrived two seconds ago
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # a runs; b waits for the one slot
+    assert len(sched.queue_times) == 1 and 2.0 <= sched.queue_times[0] < 3.0
+    while sched.running:
+        step(sched)
+    step(sched)  # now b
+    assert len(sched.queue_times) == 2
+    prefilled = seq("p", 4, 2)
+    prefilled.kv_payload = object()  # KV computed elsewhere: its queue time is the prefill worker's
+    sched.add(prefilled)
+    step(sched)
+    assert len(sched.queue_times) == 2
