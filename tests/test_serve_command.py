@@ -1,0 +1,74 @@
+"""`pdserve serve` as a user runs it (what `make serve` runs): a real process that starts its own
+Ray, serves, answers, and on SIGTERM stops everything it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from cluster_harness import free_port
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """{pid: name} of every process below `pid`, from /proc."""
+    parents: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            head, rest = open(f"/proc/{entry}/stat").read().rsplit(")", 1)
+        except OSError:
+            continue
+        names[int(entry)] = head.split("(", 1)[1]
+        parents.setdefault(int(rest.split()[1]), []).append(int(entry))
+    found, todo = {}, [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found[child] = names[child]
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_serve_answers_then_sigterm_stops_everything_it_started(tiny_path):
+    port = free_port()
+    command = [sys.executable, "-m", "router.cli", "serve", "--model", str(tiny_path), "--port", str(port),
+               "--max-num-seqs", "8", "--kv-cache-memory-gb", "0.1"]
+    env = {**os.environ, "RAY_ADDRESS": ""}  # its own Ray, whatever the caller's environment says
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "pdserve serve did not become healthy"
+            time.sleep(0.5)
+        body = {"prompt": [1, 5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
+        started = _descendants(server.pid)  # Ray's processes and the workers
+        assert "raylet" in started.values() and "gcs_server" in started.values()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while alive := {pid: name for pid, name in started.items() if _running(pid)}:
+            assert time.monotonic() < deadline, f"left running: {alive}"
+            time.sleep(0.2)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
