@@ -28,6 +28,11 @@ class WorkerLost(WorkerFailed):
     can be resumed elsewhere."""
 
 
+class ChannelClosed(WorkerLost):
+    """The worker ended the stream itself (its lease on this channel ran out): the worker is alive,
+    and the requests can be resumed anywhere, there included."""
+
+
 class RequestDeltas:
     """One request's deltas as they arrive; `get` returns everything that arrived since the last."""
 
@@ -83,7 +88,7 @@ class DecodeChannel:
                         deltas.push(delta)
                         if delta.is_last:
                             del self._requests[request_id]
-            raise WorkerLost(f"{self.name}: the token stream ended")
+            raise ChannelClosed(f"{self.name}: the worker closed the token stream")
         except Exception as error:
             log.warning("decode channel to %s failed: %s", self.name, error)
             failure = error if isinstance(error, WorkerLost) else WorkerLost(f"{self.name}: {error}")

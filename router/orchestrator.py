@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import ray
 
-from router.decode_channel import DecodeChannel, WorkerFailed, WorkerLost
+from router.decode_channel import ChannelClosed, DecodeChannel, WorkerFailed, WorkerLost
 from router.worker_pool import WorkerHandle, WorkerPool
 from services.kv_transport import KVTransport, ObjectStoreTransport
 from services.metrics import METRICS
@@ -84,7 +84,8 @@ class Orchestrator:
                         yield delta
                     return
                 except WorkerLost as error:
-                    worker.alive = False  # until a stats poll finds it answering again
+                    if not isinstance(error, ChannelClosed):
+                        worker.alive = False  # until a stats poll finds it answering again
                     if attempt == self.max_failovers:
                         raise
                     log.warning("resuming %s after %d tokens: %s", request.request_id, len(delivered), error)

@@ -279,6 +279,11 @@ def test_a_dead_routers_requests_are_aborted_when_its_channel_lease_runs_out(tin
             assert time.monotonic() < deadline, f"the orphaned request still runs: {stats}"
             time.sleep(0.1)
         assert stats.num_tokens_processed - before.num_tokens_processed < 1900  # aborted, not finished
+        # A live router renews its channel every second: a stream longer than the lease goes on.
+        url = tiny_server[0]
+        started = time.monotonic()
+        out = checks.completion(url, [1, 2, 3], 1500)
+        assert out["usage"]["completion_tokens"] == 1500 and time.monotonic() - started > 2.5
     finally:
         ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", 10.0)))
 

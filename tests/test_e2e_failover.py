@@ -60,3 +60,30 @@ def test_a_stream_survives_its_decode_worker(cluster, tiny_path, mode, sampling)
         assert METRICS.decode_failovers._value.get() == failovers + 1
         survivor = next(a for a in decode_actors if a is not killed)
         assert ray.get(survivor.stats.remote()).num_running == 0
+
+
+def test_a_channel_the_worker_closed_resumes_on_the_same_live_worker(cluster, tiny_path):
+    """A channel whose lease ran out is closed by a live worker: its streams resume, there included."""
+    max_tokens = 1000
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    expected = Engine(model=str(tiny_path)).generate([PROMPT], params)[0].text
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-failover-lease", engine_options=OPTIONS)
+    failovers = METRICS.decode_failovers._value.get()
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    with router_server(spec) as (url, actors, state):
+        decode = actors[1]  # the only decode worker
+        text, closed = "", False
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                if len(text) >= 20 and not closed:  # as if the lease ran out: the worker closes the channel
+                    ray.get(decode.__ray_call__.remote(
+                        lambda self: [self._close(cid, ch) for cid, ch in list(self._channels.items())]))
+                    closed = True
+        assert text == expected
+        assert METRICS.decode_failovers._value.get() == failovers + 1
+        assert [w.alive for w in state.pool.workers.values() if w.role == "decode"] == [True]
