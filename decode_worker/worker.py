@@ -143,8 +143,8 @@ class DecodeWorker:
     def stats(self) -> WorkerStats:
         """Counters, plus the KV transfers seen since the last call (the caller records them)."""
         transfers, self.kv_transfers = tuple(self.kv_transfers), []
-        return dataclasses.replace(worker_stats(self.spec, self.engine, self.node_id, self.peaks), kv_transfers=transfers,
-                                   kv_transfer_failures=self.kv_transfer_failures)
+        stats = worker_stats(self.spec, self.engine, self.node_id, self.peaks)
+        return dataclasses.replace(stats, kv_transfers=transfers, kv_transfer_failures=self.kv_transfer_failures)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -24,6 +24,7 @@ from services.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
 
+
 @dataclass
 class RouterState:
     """Everything a request handler needs."""
@@ -163,8 +164,8 @@ async def _poll_workers(state: RouterState) -> None:
         started = time.perf_counter()
         try:
             await state.orchestrator.renew_channels()
-        except Exception:  # a worker that does not answer: its channel's own stream will tell
-            log.warning("renewing decode channels timed out")
+        except Exception as error:  # a worker that does not answer: its channel's own stream will tell
+            log.warning("renewing decode channels failed: %r", error)
         for stats in await state.pool.poll():
             METRICS.record_worker(stats)
         for role in ("prefill", "decode"):

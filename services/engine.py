@@ -65,11 +65,10 @@ class Engine:
         if len(outputs) >= params.max_tokens:
             raise ValueError(f"a resumed request has {len(outputs)} of its max_tokens={params.max_tokens} already")
         self._check_vocab(outputs)
-        seq = self._sequence(request_id, token_ids + outputs, params)
-        seq.num_prompt_tokens = len(token_ids)
+        seq = self._sequence(request_id, token_ids + outputs, len(token_ids), params)
         seq.export_kv = export_kv
         self.scheduler.add(seq)
-        return token_ids[:]  # the sequence's own list grows with the output
+        return token_ids  # the sequence holds its own list, which grows with the output
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first: SampledToken,
                       params: SamplingParams, kv: KVPayload, verified: bool = False) -> None:
@@ -81,8 +80,7 @@ class Engine:
             raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
         if not verified:  # checked here, so a corrupt payload fails only its own request
             self.verify_kv(kv)
-        seq = self._sequence(request_id, list(prompt_token_ids) + [first.token_id], params)
-        seq.num_prompt_tokens = len(prompt_token_ids)
+        seq = self._sequence(request_id, list(prompt_token_ids) + [first.token_id], len(prompt_token_ids), params)
         if first.logprobs is not None:
             seq.output_logprobs.append(first.logprobs)
         seq.kv_payload = kv
@@ -101,9 +99,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
 
-    def _sequence(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Sequence:
+    def _sequence(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                  params: SamplingParams) -> Sequence:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        return Sequence(request_id, token_ids, len(token_ids), params, seed, next(self._arrivals))
+        return Sequence(request_id, token_ids, num_prompt_tokens, params, seed, next(self._arrivals))
 
     def _check_length(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
