@@ -5,9 +5,10 @@ bytes per token from its ModelConfig) for each `--tokens` size, on a simulated t
 (`tests.cluster_harness.two_node_cluster`: a `pd_prefill` node and a `pd_decode` node). It mimics
 pdserve's path: a producer actor returns a `KVPayload` as a method return value (so it lands in the
 object store, owned by the driver, as the router owns it); once it is sealed, a consumer actor on
-the decode node receives `[ref]`, awaits it (fetch), runs `KVPayload.verify` (shape, dtype,
-checksum), and copies it into a preallocated numpy pool `[layers, 2, max_tokens, kv_heads,
-head_dim]` (the one copy the decode worker does); it reports the three times itself. Same node:
+the decode node receives `[ref]`, awaits it (fetch), then runs `KVPayload.verify` (shape, dtype,
+checksum) on a thread while it copies the payload into a preallocated numpy pool `[layers, 2,
+max_tokens, kv_heads, head_dim]` (the one copy the decode worker does, which also overlaps the
+check); it reports each part's time and the total, which waits for both. Same node:
 producer on the decode node; cross node: producer on the prefill node (Ray's object manager moves
 the bytes). Baselines, measured in the consumer process in the same run: the same copy from a
 private array into the same pool (best of `--repeats`), and each checksum function alone.
@@ -38,6 +39,7 @@ import argparse
 import statistics
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
@@ -53,7 +55,6 @@ def _crc32(a: np.ndarray) -> int:
 
 
 def _crc32x2(a: np.ndarray, chunks: int = 8) -> int:
-    from concurrent.futures import ThreadPoolExecutor
     pool = getattr(kv_payload, "_bench_threads", None)  # kept on an imported module: survives pickling
     if pool is None:
         pool = kv_payload._bench_threads = ThreadPoolExecutor(2)
@@ -100,17 +101,25 @@ class Consumer:
         self.layers, _, self.max_tokens, self.kv_heads, self.head_dim = shape
         self.pool = np.ones(shape, dtype=np.float32)  # filled: every page is mapped, as in a warm pool
         self.private = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
+        self.checker = ThreadPoolExecutor(1)
 
-    async def consume(self, refs: list, variant: str) -> tuple[float, float, float]:
+    async def consume(self, refs: list, variant: str) -> tuple[float, float, float, float]:
+        """(fetch, verify, copy, total) seconds. As in the decode worker, the checksum pass runs on
+        a thread while this one copies the payload into the pool; the total waits for both."""
         _use(variant)
         start = time.perf_counter()
         payload: KVPayload = await refs[0]
         fetched = time.perf_counter()
-        payload.verify(self.layers, self.kv_heads, self.head_dim, "float32")
-        verified = time.perf_counter()
+
+        def verify() -> float:
+            payload.verify(self.layers, self.kv_heads, self.head_dim, "float32")
+            return time.perf_counter() - fetched
+
+        check = self.checker.submit(verify)
         self.pool[:, :, : payload.num_tokens] = payload.data
         copied = time.perf_counter()
-        return fetched - start, verified - fetched, copied - verified
+        verify_s = check.result()
+        return fetched - start, verify_s, copied - fetched, time.perf_counter() - start
 
     def baselines(self, tokens: int, repeats: int, variants: list[str]) -> dict[str, list[float]]:
         """Copy of a private array into the pool, and each checksum alone, `repeats` times each."""
@@ -184,7 +193,7 @@ def run(tokens: list[int], variants: list[str], trials: int, warmup: int, repeat
             for place in ("same", "cross"):
                 samples = times[(t, v, place)]
                 parts = {k: statistics.median(s[i] for s in samples) for i, k in enumerate(("fetch", "verify", "copy"))}
-                totals = [sum(s) for s in samples]
+                totals = [s[3] for s in samples]
                 row[place] = {**{f"{k}_s": x for k, x in parts.items()}, "total_s": statistics.median(totals),
                               "total_s_best": min(totals), "fetch_gbps": t * per_token / parts["fetch"] / 1e9}
             row["same_target_s"] = 2 * copy + 0.002
@@ -200,11 +209,11 @@ def table(out: dict) -> str:
         s, c = r["same"], r["cross"]
         rows.append([f"{r['tokens']} tok / {r['bytes'] / 2**20:.0f} MiB", r["variant"], 1e3 * r["copy_s_best"],
                      r["checksum_gbps"], 1e3 * s["fetch_s"], 1e3 * s["verify_s"], 1e3 * s["copy_s"],
-                     1e3 * s["total_s"], f"{100 * s['verify_s'] / s['total_s']:.0f}%", s["total_s"] / r["copy_s_best"], 1e3 * r["same_target_s"],
+                     1e3 * s["total_s"], s["total_s"] / r["copy_s_best"], 1e3 * r["same_target_s"],
                      "yes" if r["same_target_met"] else "NO", 1e3 * c["fetch_s"], c["fetch_gbps"],
                      1e3 * c["total_s"], "yes" if r["cross_target_met"] else "NO"])
     return format_table(["payload", "checksum", "copy ms", "cksum GB/s", "same fetch", "verify", "copy",
-                         "same total ms", "verify share", "x copy", "target ms", "met", "cross fetch ms", "cross GB/s",
+                         "same total ms", "x copy", "target ms", "met", "cross fetch ms", "cross GB/s",
                          "cross total ms", ">=1GB/s"], rows)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
@@ -30,7 +31,11 @@ class DecodeWorker:
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self.kv_transfers: list[tuple[float, int]] = []  # (seconds, bytes) since the last drain
         self.transport = TRANSPORTS[spec.kv_transport]()
-        self.kv_transfer_failures = 0
+        self.kv_fetch_failures = 0  # counted on the event loop
+        self.kv_check_failures = 0  # counted on the checker thread (one writer each: no lock)
+        # Checksum passes run here while the engine thread copies the same KV into its blocks
+        # (xxhash releases the GIL): the hand-off costs the longer of the two, not their sum.
+        self._kv_checker = ThreadPoolExecutor(1, thread_name_prefix="kv-check")
         self._channels: dict[str, OutputChannel] = {}
         self._fetching: set[str] = set()  # requests whose KV is on its way
         self._aborted: set[str] = set()  # ...and were aborted meanwhile
@@ -83,10 +88,11 @@ class DecodeWorker:
                 channel.request_ids.discard(rid)
                 return
             first = SampledToken(request.first_token_id, request.first_logprobs)
+            check = self._kv_checker.submit(self._verify, held[0])
 
             def add(engine):  # pop: once the engine has copied the KV nothing here keeps it alive
                 engine.add_prefilled(rid, request.prompt_token_ids, first, request.params, held.pop(),
-                                     verified=True)
+                                     kv_check=check)
 
             self.engine.submit(rid, add, channel)
         except Exception as error:
@@ -98,14 +104,19 @@ class DecodeWorker:
             start = time.perf_counter()
             kv = await self.transport.fetch(kv_handle)
             self.kv_transfers.append((time.perf_counter() - start, kv.num_bytes))
-            # The checksum pass runs in a thread: neither this event loop nor the step loop waits.
-            await asyncio.to_thread(self.engine.engine.verify_kv, kv)
             return kv
         except Exception:
-            self.kv_transfer_failures += 1
+            self.kv_fetch_failures += 1
             raise
         finally:
             self._fetching.discard(request_id)
+
+    def _verify(self, kv) -> None:
+        try:
+            self.engine.engine.verify_kv(kv)
+        except Exception:
+            self.kv_check_failures += 1
+            raise
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (the client went away, or a stop string matched)."""
@@ -144,7 +155,9 @@ class DecodeWorker:
         """Counters, plus the KV transfers seen since the last call (the caller records them)."""
         transfers, self.kv_transfers = tuple(self.kv_transfers), []
         stats = worker_stats(self.spec, self.engine, self.node_id, self.peaks)
-        return dataclasses.replace(stats, kv_transfers=transfers, kv_transfer_failures=self.kv_transfer_failures)
+        failures = self.kv_fetch_failures + self.kv_check_failures
+        return dataclasses.replace(stats, kv_transfers=transfers, kv_transfer_failures=failures)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self._kv_checker.shutdown(wait=False)

@@ -115,7 +115,9 @@ class AsyncEngine:
                     stream = self._streams.get(out.request_id)
                     if stream is not None and out.finish_reason is not None:
                         del self._streams[out.request_id]
-                    if stream is not None:
+                    if stream is not None and out.error is not None:
+                        stream.fail(out.request_id, out.error)
+                    elif stream is not None:
                         deliveries.setdefault(stream.loop, []).append((stream, out))
             for loop, items in deliveries.items():  # one wake-up per loop per step, not per request
                 loop.call_soon_threadsafe(_deliver, items)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,19 +72,24 @@ class Engine:
         return token_ids  # the sequence holds its own list, which grows with the output
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first: SampledToken,
-                      params: SamplingParams, kv: KVPayload, verified: bool = False) -> None:
+                      params: SamplingParams, kv: KVPayload, kv_check: Future | None = None) -> None:
         """Queue a request whose prompt was prefilled elsewhere: `kv` holds the prompt's KV and
         `first` the token sampled from it. It joins the running batch once blocks are free.
-        `verified=True` skips the checksum pass when the caller already did `verify_kv(kv)`."""
+
+        The checksum is verified here, before queueing, unless the caller already started
+        `verify_kv(kv)` on another thread and passes its Future as `kv_check`: then the KV is
+        copied into the pool while the check runs, and the step that copied it waits for the
+        result before reporting anything; a failed check ends only this request, with the error."""
         self._check_length(prompt_token_ids, params)
         if kv.num_tokens != len(prompt_token_ids):
             raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
-        if not verified:  # checked here, so a corrupt payload fails only its own request
+        if kv_check is None:  # checked here, so a corrupt payload fails only its own request
             self.verify_kv(kv)
         seq = self._sequence(request_id, list(prompt_token_ids) + [first.token_id], len(prompt_token_ids), params)
         if first.logprobs is not None:
             seq.output_logprobs.append(first.logprobs)
         seq.kv_payload = kv
+        seq.kv_check = kv_check
         self.scheduler.add(seq)
 
     def verify_kv(self, kv: KVPayload) -> None:
@@ -128,9 +134,26 @@ class Engine:
         if batch.is_empty:
             return []
         sampled, exported = self.runner.run(batch)
+        failed = self._failed_kv_checks(batch.seqs)
         self.num_tokens_processed += sum(batch.num_new_tokens)
         touched = self.scheduler.update(batch, sampled)
-        return [self._step_output(seq, exported.get(seq.request_id)) for seq in touched]
+        outputs = [self._step_output(seq, exported.get(seq.request_id)) for seq in touched
+                   if seq.request_id not in failed]
+        for request_id, error in failed.items():
+            self.scheduler.abort(request_id)
+            outputs.append(StepOutput(request_id, [], None, FinishReason.ABORT.value, 0, 0, error=error))
+        return outputs
+
+    def _failed_kv_checks(self, seqs: list[Sequence]) -> dict[str, BaseException]:
+        """Wait for the checksum passes of the KV this step imported (each usually done: it ran
+        while the KV was copied); the requests whose check failed, with its error."""
+        failed = {}
+        for seq in seqs:
+            if seq.kv_check is not None:
+                error, seq.kv_check = seq.kv_check.exception(), None
+                if error is not None:
+                    failed[seq.request_id] = error
+        return failed
 
     def _step_output(self, seq: Sequence, kv: KVPayload | None) -> StepOutput:
         # A prefilled sequence's first token was sampled (and reported) by the prefill side.

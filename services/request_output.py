@@ -18,6 +18,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv: KVPayload | None = None  # the prompt's KV, for requests added with export_kv=True
+    error: BaseException | None = None  # the request failed (its imported KV did not verify); no tokens
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     kv_payload: object | None = None  # services.kv_payload.KVPayload awaiting import (decode side)
+    kv_check: object | None = None  # concurrent.futures.Future: that payload's checksum pass, still running
     export_kv: bool = False  # prefill side: return the prompt's KV when the prompt is done
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -68,3 +71,29 @@ def test_corrupt_or_mismatched_kv_is_refused(tiny_path):
         kv.verify(5, 2, 16, "float32")
     with pytest.raises(ValueError, match="KV covers 37 tokens"):
         engine.add_prefilled("y", PROMPT[:-1], SampledToken(5), SamplingParams(), kv)
+
+
+def test_a_check_running_beside_the_copy_gates_the_request(tiny_path):
+    """With `kv_check` (a verification already running on another thread) the KV is copied while
+    it runs: a passing check continues exactly; a failing one ends only its own request, with the
+    check's error and no token, and frees its blocks."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    whole = Engine(model=tiny_path).generate([PROMPT], params)[0]
+    out = prefill(Engine(model=tiny_path), params)
+    engine = Engine(model=tiny_path)
+    first = SampledToken(out.new_token_ids[0])
+    good, bad = Future(), Future()
+    engine.add_prefilled("good", PROMPT, first, params, out.kv, kv_check=good)
+    engine.add_prefilled("bad", PROMPT, first, params, out.kv, kv_check=bad)
+    with ThreadPoolExecutor(1) as pool:  # the engine step waits for both results
+        pool.submit(lambda: (time.sleep(0.2), good.set_result(None), bad.set_exception(KVTransferError("mismatch"))))
+        outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["bad"].new_token_ids == [] and outputs["bad"].finish_reason == "abort"
+    assert isinstance(outputs["bad"].error, KVTransferError) and outputs["good"].error is None
+    tokens = list(out.new_token_ids) + outputs["good"].new_token_ids
+    while engine.has_unfinished_requests:
+        for step in engine.step():
+            assert step.request_id == "good"
+            tokens += step.new_token_ids
+    assert tokens == whole.token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
