@@ -38,6 +38,7 @@ class RouterState:
     api_key: str | None = None
     max_n: int = 16
     max_body_bytes: int = 4 * 2**20
+    max_pending: int | None = 1024  # completions in flight through this router; beyond it, 429
     stats_interval: float = 1.0
 
 
@@ -88,12 +89,19 @@ def create_app(state: RouterState) -> FastAPI:
     return app
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 class BoundaryMiddleware:
-    """Request ids, API key and body-size limit, as plain ASGI middleware (Starlette's
-    BaseHTTPMiddleware would hide client disconnects from the handlers)."""
+    """Request ids, API key, body-size limit and the in-flight cap, as plain ASGI middleware
+    (Starlette's BaseHTTPMiddleware would hide client disconnects from the handlers).
+
+    The cap counts a completion from its arrival until its response (or stream) ends; one more is
+    refused at once with 429 and `Retry-After` rather than queued behind work it cannot overtake."""
 
     def __init__(self, app, state: RouterState) -> None:
         self.app, self.state = app, state
+        self.in_flight = 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -111,7 +119,19 @@ class BoundaryMiddleware:
         error = self._refusal(scope["path"], headers)
         if error is not None:
             return await error.response()(scope, receive, send_with_id)
-        await self.app(scope, receive, send_with_id)
+        if scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send_with_id)
+        limit = self.state.max_pending
+        if limit is not None and self.in_flight >= limit:
+            METRICS.requests_refused.labels(reason="too_many_pending").inc()
+            error = APIError(429, f"{self.in_flight} requests are in flight through this router, its limit "
+                                  f"(--max-pending {limit}); retry shortly", retry_after=1)
+            return await error.response()(scope, receive, send_with_id)
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.in_flight -= 1
 
     def _refusal(self, path: str, headers: dict[str, str]) -> APIError | None:
         if path.startswith("/v1/") and self.state.api_key is not None:

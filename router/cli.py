@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require this Bearer key (default: $PDSERVE_API_KEY; none: open)")
+    serve.add_argument("--max-pending", type=_positive_int, default=1024,
+                       help="completions in flight through the router; one more gets 429 + Retry-After")
 
     gen = sub.add_parser("generate", help="generate offline with the engine (no Ray, no HTTP)")
     gen.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
@@ -135,7 +137,8 @@ def serve(args: argparse.Namespace) -> None:
                        peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
                        peak_bytes_per_second=None if args.peak_gbps is None else args.peak_gbps * 1e9)
     address = None if args.address is None else args.address
-    run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, args.api_key)
+    run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, api_key=args.api_key,
+        max_pending=args.max_pending)
 
 
 def make_model(args: argparse.Namespace) -> None:

@@ -165,7 +165,9 @@ def stop_workers(actors: list) -> None:
         ray.kill(actor)
 
 
-def build_router_state(spec: ClusterSpec, model_name: str, api_key: str | None = None):
+def build_router_state(spec: ClusterSpec, model_name: str, **router_options):
+    """The router's state for the workers of `spec`; `router_options` are RouterState fields
+    (`api_key`, `max_pending`, ...)."""
     from router.app import RouterState
     from router.orchestrator import Orchestrator
     from router.worker_pool import WorkerPool
@@ -177,11 +179,11 @@ def build_router_state(spec: ClusterSpec, model_name: str, api_key: str | None =
     pool.discover()
     return RouterState(model_name=model_name, tokenizer=Tokenizer.from_folder(spec.model),
                        max_model_len=engine_config.resolve_max_model_len(model), vocab_size=model.vocab_size,
-                       pool=pool, orchestrator=Orchestrator(pool, spec.mode), api_key=api_key)
+                       pool=pool, orchestrator=Orchestrator(pool, spec.mode), **router_options)
 
 
 def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str | None,
-          api_key: str | None = None) -> None:
+          **router_options) -> None:
     """Run until Ctrl-C / SIGTERM, then stop what was started."""
     import uvicorn
 
@@ -195,7 +197,7 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
     actors = []
     try:
         actors = start_workers(spec, local, node_wait=0.0 if local else spec.startup_timeout)
-        app = create_app(build_router_state(spec, model_name, api_key))
+        app = create_app(build_router_state(spec, model_name, **router_options))
         log.warning("pdserve: %s mode, serving %s on http://%s:%d", spec.mode, model_name, host, port)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the

@@ -37,6 +37,8 @@ class Metrics:
         self.kv_transfer_bytes = Histogram(p + "kv_transfer_bytes", "KV bytes per transfer.",
                                            buckets=BYTES_BUCKETS, registry=r)
         self.kv_transfer_failures = Counter(p + "kv_transfer_failures", "KV transfers that failed.", registry=r)
+        self.requests_refused = Counter(p + "requests_refused", "Requests refused at admission (429/503).",
+                                        ["reason"], registry=r)
         self.decode_failovers = Counter(p + "decode_failovers", "Streams resumed on another decode worker.",
                                         registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", registry=r)

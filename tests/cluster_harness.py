@@ -38,10 +38,10 @@ def two_node_cluster(num_prefill_slots: int = 2, num_decode_slots: int = 2):
 
 
 @contextlib.contextmanager
-def router_server(spec: ClusterSpec, model_name: str = "test-model", api_key: str | None = None):
+def router_server(spec: ClusterSpec, model_name: str = "test-model", **router_options):
     """Start the spec's workers, serve the router on a free loopback port; yields (base_url, actors, state)."""
     actors = start_workers(spec, local=False)
-    state = build_router_state(spec, model_name, api_key)
+    state = build_router_state(spec, model_name, **router_options)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -63,7 +63,7 @@ def test_bad_engine_options_and_model_folder_are_refused(tmp_path):
     ["serve", "--prefill-labels", "role"], ["make-model", "--preset", "huge", "--out", "x"],
     ["generate", "--prompt", "x", "--max-tokens", "-1"], ["generate", "--prompt", "x", "--temperature", "nan"],
     ["serve", "--peak-tflops", "0"], ["serve", "--peak-gbps", "-3"], ["serve", "--peak-gbps", "inf"],
-    ["serve", "--peak-tflops", "nan"],
+    ["serve", "--peak-tflops", "nan"], ["serve", "--max-pending", "0"], ["serve", "--max-pending", "many"],
 ])
 def test_cli_refuses_bad_flags(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -75,3 +75,5 @@ def test_cli_refuses_bad_flags(argv, capsys):
 def test_cli_parses_labels():
     args = build_parser().parse_args(["serve", "--prefill-labels", "a=b,c=d"])
     assert args.prefill_labels == {"a": "b", "c": "d"}
+    assert args.max_pending == 1024
+    assert build_parser().parse_args(["serve", "--max-pending", "8"]).max_pending == 8
