@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from services.errors import KVTransferError
 from services.protocol import TokenDelta
 from services.request_output import StepOutput
 
@@ -49,7 +50,8 @@ class OutputChannel:
         self.loop.call_soon_threadsafe(self.fail_here, request_id, error)
 
     def fail_here(self, request_id: str, error: BaseException) -> None:
-        self._push(request_id, TokenDelta([], None, None, error=f"{type(error).__name__}: {error}"))
+        self._push(request_id, TokenDelta([], None, None, error=f"{type(error).__name__}: {error}",
+                                          kv_lost=isinstance(error, KVTransferError)))
 
     def _push(self, request_id: str, delta: TokenDelta) -> None:
         self._pending.setdefault(request_id, []).append(delta)

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from decode_worker.output_channel import OutputChannel
+from services.errors import KVTransferError
 from services.kv_transport import TRANSPORTS
 from services.protocol import DecodeRequest, WorkerStats
 from services.scheduler import SampledToken
@@ -105,9 +106,9 @@ class DecodeWorker:
             kv = await self.transport.fetch(kv_handle)
             self.kv_transfers.append((time.perf_counter() - start, kv.num_bytes))
             return kv
-        except Exception:
+        except Exception as error:  # e.g. the object died with the prefill node that held it
             self.kv_fetch_failures += 1
-            raise
+            raise KVTransferError(f"the KV could not be fetched: {type(error).__name__}: {error}") from error
         finally:
             self._fetching.discard(request_id)
 

@@ -23,6 +23,11 @@ class WorkerFailed(RuntimeError):
     """The decode worker failed a request, or its stream broke."""
 
 
+class KVLost(WorkerFailed):
+    """The worker could not use the request's KV (not fetched, or not verified): the prompt can be
+    recomputed from its tokens."""
+
+
 class WorkerLost(WorkerFailed):
     """The stream from the worker broke (the worker died or cannot be reached): every request on it
     can be resumed elsewhere."""

@@ -8,7 +8,9 @@ tokens come back on this router's channel to that worker (`decode_channel.py`).
 If a decode worker dies mid-stream, its streams resume on another one: the new worker prefills the
 prompt plus every token already delivered and continues from there. Sampling is seeded per position
 (the seed is fixed here when the client gave none), so the resumed stream is the one the client
-would have seen: no token lost, none repeated.
+would have seen: no token lost, none repeated. The prefill side degrades the same way: a dead
+prefill worker's prefill is retried on the next one, or, with none left, done by a decode worker;
+a KV that is lost or fails its checksum is recomputed there from the prompt and the first token.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import ray
+from ray.exceptions import RayActorError
 
-from router.decode_channel import ChannelClosed, DecodeChannel, WorkerFailed, WorkerLost
+from router.decode_channel import ChannelClosed, DecodeChannel, KVLost, WorkerFailed, WorkerLost
 from router.worker_pool import WorkerHandle, WorkerPool
 from services.kv_transport import KVTransport, ObjectStoreTransport
 from services.metrics import METRICS
-from services.protocol import DecodeRequest, PrefillRequest, TokenDelta
+from services.protocol import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from services.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.router")
@@ -49,16 +52,12 @@ class Orchestrator:
         if params.seed is None:  # chosen here, so that a resumed stream samples what it would have
             params = replace(params, seed=secrets.randbits(63))
         request = DecodeRequest(request_id, prompt_token_ids, params)
-        if self.mode == "colocated":
+        prefilled = None if self.mode == "colocated" else await self._prefill(request)
+        if prefilled is None:  # colocated, or no prefill worker left: a decode worker prefills too
             async for delta in self._decode_anywhere(request, None):
                 yield delta
             return
-        with self.pool.claim("prefill", len(prompt_token_ids)) as worker:
-            prefill = worker.actor.prefill.remote(PrefillRequest(request_id, prompt_token_ids, params))
-            # The metadata comes first, while the KV is being stored. `__anext__` has already
-            # fetched it into this process, so `ray.get` returns at once (an `await` would add a
-            # thread hop to the time to first token).
-            meta = ray.get(await prefill.__anext__())
+        meta, prefill = prefilled
         METRICS.request_prefill_time.observe(meta.prefill_seconds)
         done = meta.finish_reason is not None or params.max_tokens == 1
         yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
@@ -68,13 +67,39 @@ class Orchestrator:
         if done:
             return  # the prefill stream goes out of scope here and its KV object is freed
         request = DecodeRequest(request_id, prompt_token_ids, params, meta.first_token_id, meta.first_logprobs)
-        kv = [await prefill.__anext__()]  # a list, so that _decode can let go of the only reference
+        try:
+            kv = [await prefill.__anext__()]  # a list, so that _decode can let go of the only reference
+        except RayActorError as error:  # the worker died before handing over the KV: recompute it
+            log.warning("prefill of %s lost its KV: %s", request_id, error)
+            METRICS.kv_recomputes.inc()
+            kv, request = None, _resumed(request, [meta.first_token_id])
         del prefill
         async for delta in self._decode_anywhere(request, kv):
             yield delta
 
+    async def _prefill(self, request: DecodeRequest) -> tuple[PrefillResult, object] | None:
+        """The prefill's metadata and its call's stream (whose next item is the KV), from the least
+        loaded prefill worker; one that dies is marked so and the next one tried. None when no
+        prefill worker is left (the caller lets a decode worker prefill)."""
+        for _ in range(self.max_failovers + 1):
+            if not self.pool.role("prefill"):
+                break
+            with self.pool.claim("prefill", len(request.prompt_token_ids)) as worker:
+                prefill = worker.actor.prefill.remote(PrefillRequest(request.request_id, request.prompt_token_ids,
+                                                                     request.params))
+                try:
+                    # `__anext__` has already fetched the metadata into this process, so `ray.get`
+                    # returns at once (an `await` would add a thread hop to the time to first token).
+                    return ray.get(await prefill.__anext__()), prefill
+                except RayActorError as error:
+                    worker.alive = False  # until a stats poll finds it answering again
+                    log.warning("prefill of %s failed on %s: %s", request.request_id, worker.name, error)
+                    METRICS.prefill_failovers.inc()
+        return None
+
     async def _decode_anywhere(self, request: DecodeRequest, kv: list | None) -> AsyncIterator[TokenDelta]:
-        """Decode on the least loaded worker; if it dies, resume on another (up to max_failovers)."""
+        """Decode on the least loaded worker; if it dies, resume on another (up to max_failovers).
+        If the KV cannot be used there (lost with its node, or corrupt), recompute the prompt."""
         delivered = [] if request.first_token_id is None else [request.first_token_id]
         for attempt in range(self.max_failovers + 1):
             with self.pool.claim("decode", 1) as worker:
@@ -83,16 +108,15 @@ class Orchestrator:
                         delivered += delta.token_ids
                         yield delta
                     return
-                except WorkerLost as error:
-                    if not isinstance(error, ChannelClosed):
+                except (WorkerLost, KVLost) as error:
+                    if isinstance(error, WorkerLost) and not isinstance(error, ChannelClosed):
                         worker.alive = False  # until a stats poll finds it answering again
                     if attempt == self.max_failovers:
                         raise
                     log.warning("resuming %s after %d tokens: %s", request.request_id, len(delivered), error)
-                    METRICS.decode_failovers.inc()
+                    (METRICS.kv_recomputes if isinstance(error, KVLost) else METRICS.decode_failovers).inc()
             kv = None
-            request = DecodeRequest(request.request_id, request.prompt_token_ids, request.params,
-                                    output_token_ids=list(delivered))
+            request = _resumed(request, delivered)
 
     async def _decode(self, worker: WorkerHandle, request: DecodeRequest, kv: list | None
                       ) -> AsyncIterator[TokenDelta]:
@@ -116,7 +140,7 @@ class Orchestrator:
                     raise
                 if delta.error is not None:
                     finished = True  # the worker has already dropped it
-                    raise WorkerFailed(f"{worker.name}: {delta.error}")
+                    raise (KVLost if delta.kv_lost else WorkerFailed)(f"{worker.name}: {delta.error}")
                 finished = delta.finish_reason is not None
                 yield delta
         finally:
@@ -134,3 +158,10 @@ class Orchestrator:
     def shutdown(self) -> None:
         for channel in self.channels.values():
             channel.shutdown()
+
+
+def _resumed(request: DecodeRequest, delivered: list[int]) -> DecodeRequest:
+    """`request` restarted without KV: a decode worker prefills the prompt plus the tokens the client
+    already has (`delivered`) and continues after them."""
+    return DecodeRequest(request.request_id, request.prompt_token_ids, request.params,
+                         output_token_ids=list(delivered))

@@ -39,6 +39,10 @@ class Metrics:
         self.kv_transfer_failures = Counter(p + "kv_transfer_failures", "KV transfers that failed.", registry=r)
         self.requests_refused = Counter(p + "requests_refused", "Requests refused at admission (429/503).",
                                         ["reason"], registry=r)
+        self.prefill_failovers = Counter(p + "prefill_failovers", "Prefills retried after their worker died.",
+                                         registry=r)
+        self.kv_recomputes = Counter(p + "kv_recomputes", "Prompts recomputed on the decode side: KV lost or corrupt.",
+                                     registry=r)
         self.decode_failovers = Counter(p + "decode_failovers", "Streams resumed on another decode worker.",
                                         registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", registry=r)

@@ -53,13 +53,15 @@ class DecodeRequest:
 @dataclass(frozen=True)
 class TokenDelta:
     """New tokens of one request (several when the reader lagged behind the engine). `error` ends
-    the request with a failure (a KV that failed its checksum, an engine fault)."""
+    the request with a failure (a KV that failed its checksum, an engine fault); `kv_lost` says the
+    failure was the prompt's KV (not fetched, or not verified), so the prompt can be recomputed."""
 
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_lost: bool = False
 
     @property
     def is_last(self) -> bool:
@@ -72,8 +74,9 @@ class TokenDelta:
             return deltas[0]
         last = deltas[-1]
         logprobs = None if deltas[0].logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
+        failed = next((d for d in deltas if d.error is not None), None)
         return TokenDelta([t for d in deltas for t in d.token_ids], logprobs, last.finish_reason,
-                          last.num_cached_tokens, next((d.error for d in deltas if d.error is not None), None))
+                          last.num_cached_tokens, failed and failed.error, failed is not None and failed.kv_lost)
 
 
 @dataclass(frozen=True)

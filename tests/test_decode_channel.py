@@ -20,6 +20,9 @@ def test_merge_concatenates_tokens_and_keeps_the_last_finish_reason():
     assert TokenDelta.merge([a, b]) == TokenDelta([1, 2, 3], [{1: -0.5}, {2: -0.25}, {3: -1.0}], "length", 3)
     assert TokenDelta.merge([TokenDelta([4], None, None), TokenDelta([], None, None, error="boom")]) == \
         TokenDelta([4], None, None, 0, "boom")
+    lost = TokenDelta([], None, None, error="KVTransferError: checksum mismatch", kv_lost=True)
+    assert TokenDelta.merge([TokenDelta([4], None, None), lost]) == \
+        TokenDelta([4], None, None, 0, "KVTransferError: checksum mismatch", kv_lost=True)
 
 
 def _out(rid: str, tokens: list[int], finish: str | None = None) -> StepOutput:

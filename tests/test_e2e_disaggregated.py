@@ -179,10 +179,52 @@ def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
     ((request_id, delta),) = ray.get(next(channel))
     assert request_id == "bad" and delta.token_ids == [] and delta.finish_reason is None
     assert delta.error.startswith("KVTransferError: ") and "checksum mismatch" in delta.error
+    assert delta.kv_lost  # the router may recompute the prompt (next test)
     ray.cancel(channel)
     assert ray.get(decode.stats.remote()).kv_transfer_failures == 1
     assert checks.completion(url, prompt, 5)["choices"][0]["finish_reason"] == "length"  # others go on
 
+
+
+def test_the_router_recomputes_a_prompt_whose_kv_failed_its_checksum(tiny_server):
+    """A corrupt KV fails on the decode worker (kv_lost); the orchestrator resumes the stream there
+    without KV (prompt + first token recomputed), and the tokens are the single engine's."""
+    import asyncio
+
+    import numpy as np
+
+    from router.orchestrator import Orchestrator
+    from router.worker_pool import WorkerPool
+    from services import Engine
+    from services.metrics import METRICS
+    from services.protocol import DecodeRequest
+
+    _, actors, model = tiny_server
+    prefill, decode = actors
+    prompt = [1, 9, 8, 7, 6, 5]
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
+    expected = Engine(model=model).generate([prompt], params)[0].token_ids
+    meta, kv_ref = direct_prefill(prefill, PrefillRequest("recompute", prompt, params))
+    kv = ray.get(kv_ref)
+    data = kv.data.copy()
+    data.reshape(-1).view(np.uint8)[7] ^= 1
+    bad = ray.put(KVPayload(data, kv.dtype, kv.checksum))
+    pool = WorkerPool("pd-tiny")
+    pool.discover()
+    orchestrator = Orchestrator(pool, "disaggregated")
+    request = DecodeRequest("recompute", prompt, params, meta.first_token_id, meta.first_logprobs)
+    recomputes = METRICS.kv_recomputes._value.get()
+
+    async def run() -> list[int]:
+        try:
+            return [t async for delta in orchestrator._decode_anywhere(request, [bad]) for t in delta.token_ids]
+        finally:
+            orchestrator.shutdown()
+
+    assert [meta.first_token_id] + asyncio.run(run()) == expected
+    assert METRICS.kv_recomputes._value.get() == recomputes + 1
+    stats = ray.get(decode.stats.remote())
+    assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
 
 def test_metrics_endpoint_reports_router_and_worker_series(tiny_server):
     import time

@@ -87,3 +87,41 @@ def test_a_channel_the_worker_closed_resumes_on_the_same_live_worker(cluster, ti
         assert text == expected
         assert METRICS.decode_failovers._value.get() == failovers + 1
         assert [w.alive for w in state.pool.workers.values() if w.role == "decode"] == [True]
+
+
+def test_dead_prefill_workers_are_skipped_then_decode_workers_prefill(cluster, tiny_path):
+    """Kill one of two prefill workers: the next request's prefill fails there and is retried on
+    the other; kill that one too: a decode worker prefills. Every answer is the single engine's."""
+    max_tokens = 24
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    expected = Engine(model=str(tiny_path)).generate([PROMPT], params)[0].text
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-failover-prefill", num_prefill=2, engine_options=OPTIONS)
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    failovers = METRICS.prefill_failovers._value.get()
+    # No stats polls after the first: only a failed call can tell the router a worker is gone.
+    with router_server(spec, stats_interval=3600) as (url, _, state):
+        def complete(stream: bool) -> str:
+            if not stream:
+                answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
+                assert answer.status_code == 200, answer.text
+                return answer.json()["choices"][0]["text"]
+            text = ""
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        text += chunk["choices"][0]["text"]
+            return text
+
+        assert complete(stream=False) == expected
+        first, second = state.pool.role("prefill")  # an idle pool picks the first
+        ray.kill(first.actor, no_restart=True)
+        assert complete(stream=True) == expected
+        assert METRICS.prefill_failovers._value.get() == failovers + 1
+        ray.kill(second.actor, no_restart=True)
+        assert complete(stream=False) == expected
+        assert complete(stream=True) == expected
+        assert METRICS.prefill_failovers._value.get() == failovers + 2
+        assert (first.alive, second.alive) == (False, False)
+
