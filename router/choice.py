@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.protocol import TokenDelta
@@ -49,10 +50,15 @@ class ChoiceState:
         return ChoiceUpdate(self.index, emitted, delta.token_ids, delta.logprobs, self.finish_reason)
 
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+def token_id_name(token_id: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` names it (two tokens never share a name)."""
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(name: Callable[[int], str], token_ids: list[int], logprobs: list[dict[int, float]],
                         text_offset: int) -> dict:
-    """The legacy completions `logprobs` object for these tokens."""
-    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+    """The legacy completions `logprobs` object for these tokens; `name` gives a token's text."""
+    tokens = [name(t) for t in token_ids]
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
@@ -60,17 +66,16 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: li
     return {
         "tokens": tokens,
         "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
-        "top_logprobs": [{tokenizer.decode([k], skip_special_tokens=False): v for k, v in lp.items()}
-                         for lp in logprobs],
+        "top_logprobs": [{name(k): v for k, v in lp.items()} for lp in logprobs],
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+def chat_logprobs(name: Callable[[int], str], token_ids: list[int], logprobs: list[dict[int, float]],
                   num_top: int) -> dict:
     """The chat `logprobs` object: one entry per token with its top alternatives."""
     def entry(token_id: int, value: float) -> dict:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        text = name(token_id)
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
     content = []

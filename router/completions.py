@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from router.choice import ChoiceState, chat_logprobs, completion_logprobs
+from router.choice import ChoiceState, chat_logprobs, completion_logprobs, token_id_name
 from router.choice_runner import run_choices
 from router.errors import APIError
 from router.schemas import ChatCompletionRequest, CompletionRequest
@@ -29,6 +29,7 @@ class Prepared:
     include_usage: bool
     echo_texts: list[str] | None  # completions `echo`: the prompt text to put before each choice
     num_top_logprobs: int  # chat: top_logprobs
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>" (return_tokens_as_token_ids)
 
 
 def _check_model(state, model: str | None) -> None:
@@ -72,7 +73,8 @@ def prepare_completion(state, body: CompletionRequest, request_id: str) -> Prepa
         _check_length(state, p, max_tokens)
     echo = [state.tokenizer.decode(p, skip_special_tokens=True) for p in prompts] if body.echo else None
     return Prepared(request_id, False, state.model_name, prompts, _params(state, body, max_tokens, body.logprobs),
-                    body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), echo, 0)
+                    body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), echo, 0,
+                    body.return_tokens_as_token_ids)
 
 
 def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepared:
@@ -88,7 +90,7 @@ def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepare
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return Prepared(request_id, True, state.model_name, [prompt], _params(state, body, max_tokens, logprobs),
                     body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), None,
-                    body.top_logprobs or 0)
+                    body.top_logprobs or 0, body.return_tokens_as_token_ids)
 
 
 def usage(prep: Prepared, choices: list[ChoiceState]) -> dict:
@@ -103,8 +105,9 @@ def _choice_body(state, prep: Prepared, choice: ChoiceState, text: str, token_id
                  logprobs: list | None, finish_reason: str | None, stream: bool, first: bool) -> dict:
     lp = None
     if logprobs is not None:
-        lp = (chat_logprobs(state.tokenizer, token_ids, logprobs, prep.num_top_logprobs) if prep.chat else
-              completion_logprobs(state.tokenizer, token_ids, logprobs, len(choice.text) - len(text)))
+        name = token_id_name if prep.tokens_as_ids else state.tokenizer.token_text
+        lp = (chat_logprobs(name, token_ids, logprobs, prep.num_top_logprobs) if prep.chat else
+              completion_logprobs(name, token_ids, logprobs, len(choice.text) - len(text)))
     if not prep.chat:
         return {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
     if stream:

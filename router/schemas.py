@@ -35,6 +35,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>", never ambiguous
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None

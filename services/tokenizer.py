@@ -141,6 +141,11 @@ class Tokenizer:
             raise ValueError(f"token ids must be >= 0, got {min(ids)}")
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (a lone byte of a multi-byte character is
+        U+FFFD, so two tokens may share a text: see return_tokens_as_token_ids)."""
+        return self._hf.decode([token_id], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Renders the model's chat template, or without one the plain format "role: content\\n" per
         message followed by "assistant:" when `add_generation_prompt`. List contents are joined with

@@ -346,3 +346,42 @@ def test_n_choices_are_seeded_seed_plus_index_through_the_split_path(tiny_server
         assert [c["index"] for c in out["choices"]] == [0, 1, 2]
         assert [c["text"] for c in out["choices"]] == expected and len(set(expected)) == 3
         assert out["usage"]["completion_tokens"] == 24 and out["usage"]["prompt_tokens"] == 4
+
+
+def test_logprobs_through_the_split_path_are_the_engines(tiny_server):
+    """The first token's logprobs come from the prefill worker, the rest from the decode worker:
+    together (streamed or not, completions and chat) they are the single engine's, chosen token
+    and top alternatives, named by id (`return_tokens_as_token_ids`)."""
+    from services import Engine
+
+    url, _, model = tiny_server
+    prompt = [1, 40, 41, 42, 43, 44, 45, 46, 47]
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=21, ignore_eos=True, logprobs=3)
+    want = Engine(model=model).generate([prompt], params)[0]
+    want_top = [{f"token_id:{k}": v for k, v in lp.items()} for lp in want.logprobs]
+    extra = {"temperature": 0.9, "seed": 21, "logprobs": 3, "return_tokens_as_token_ids": True}
+    got = checks.completion(url, prompt, 10, **extra)["choices"][0]["logprobs"]
+    assert got["tokens"] == [f"token_id:{t}" for t in want.token_ids]
+    assert got["token_logprobs"] == pytest.approx([lp[t] for t, lp in zip(want.token_ids, want.logprobs)], abs=1e-5)
+    assert [top.keys() for top in got["top_logprobs"]] == [top.keys() for top in want_top]
+    assert got["top_logprobs"] == [pytest.approx(top, abs=1e-5) for top in want_top]
+    _, chunks = checks.streamed_text(url, prompt, 10, **extra)
+    streamed = [v for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == got["token_logprobs"]
+    # Without the option a token is named by its text (the legacy format's names may collide).
+    plain = checks.completion(url, prompt, 10, **{**extra, "return_tokens_as_token_ids": False})
+    tokenizer = Tokenizer.from_folder(model)
+    assert plain["choices"][0]["logprobs"]["tokens"] == [tokenizer.token_text(t) for t in want.token_ids]
+    messages = [{"role": "user", "content": "tell me a story"}]
+    chat_want = Engine(model=model).generate([tokenizer.encode_chat(messages)], params)[0]
+    answer = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": messages, "max_tokens": 10, "temperature": 0.9, "seed": 21, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 3, "return_tokens_as_token_ids": True})
+    content = answer.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat_want.token_ids]
+    assert [e["logprob"] for e in content] == \
+        pytest.approx([lp[t] for t, lp in zip(chat_want.token_ids, chat_want.logprobs)], abs=1e-5)
+    assert [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in content] == \
+        [pytest.approx({f"token_id:{k}": v for k, v in sorted(lp.items(), key=lambda kv: -kv[1])[:3]}, abs=1e-5)
+         for lp in chat_want.logprobs]  # the top 3 (the engine's entry also holds the chosen token)
