@@ -21,6 +21,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -79,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require this Bearer key (default: $PDSERVE_API_KEY; none: open)")
+    serve.add_argument("--local-prefill-tokens", type=_non_negative_int, default=0,
+                       help="disaggregated: prompts of at most this many tokens are prefilled by their decode worker "
+                            "(no KV hand-off; 0: never)")
     serve.add_argument("--max-pending", type=_positive_int, default=1024,
                        help="completions in flight through the router; one more gets 429 + Retry-After")
 
@@ -138,7 +148,7 @@ def serve(args: argparse.Namespace) -> None:
                        peak_bytes_per_second=None if args.peak_gbps is None else args.peak_gbps * 1e9)
     address = None if args.address is None else args.address
     run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, api_key=args.api_key,
-        max_pending=args.max_pending)
+        max_pending=args.max_pending, local_prefill_tokens=args.local_prefill_tokens)
 
 
 def make_model(args: argparse.Namespace) -> None:

@@ -167,7 +167,7 @@ def stop_workers(actors: list) -> None:
 
 def build_router_state(spec: ClusterSpec, model_name: str, **router_options):
     """The router's state for the workers of `spec`; `router_options` are RouterState fields
-    (`api_key`, `max_pending`, ...)."""
+    (`api_key`, `max_pending`, ...) and the orchestrator's `local_prefill_tokens`."""
     from router.app import RouterState
     from router.orchestrator import Orchestrator
     from router.worker_pool import WorkerPool
@@ -177,9 +177,10 @@ def build_router_state(spec: ClusterSpec, model_name: str, **router_options):
     engine_config = EngineConfig(model=spec.model, **spec.engine_options)
     pool = WorkerPool(spec.namespace)
     pool.discover()
+    orchestrator = Orchestrator(pool, spec.mode, local_prefill_tokens=router_options.pop("local_prefill_tokens", 0))
     return RouterState(model_name=model_name, tokenizer=Tokenizer.from_folder(spec.model),
                        max_model_len=engine_config.resolve_max_model_len(model), vocab_size=model.vocab_size,
-                       pool=pool, orchestrator=Orchestrator(pool, spec.mode), **router_options)
+                       pool=pool, orchestrator=orchestrator, **router_options)
 
 
 def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str | None,

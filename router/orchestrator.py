@@ -37,11 +37,15 @@ log = logging.getLogger("pdserve.router")
 
 
 class Orchestrator:
-    def __init__(self, pool: WorkerPool, mode: str, transport: KVTransport | None = None) -> None:
+    def __init__(self, pool: WorkerPool, mode: str, transport: KVTransport | None = None,
+                 local_prefill_tokens: int = 0) -> None:
         assert mode in ("disaggregated", "colocated")
         self.pool = pool
         self.mode = mode
         self.transport = transport or ObjectStoreTransport()
+        # Conditional disaggregation: a prompt this short costs the decode worker less to prefill
+        # than a KV hand-off costs the request (a hop, a transfer, a copy), so it stays there.
+        self.local_prefill_tokens = local_prefill_tokens
         self.router_id = uuid.uuid4().hex
         self.channels: dict[str, DecodeChannel] = {}
         self.max_failovers = 2  # decode workers a stream may lose before it fails
@@ -52,8 +56,11 @@ class Orchestrator:
         if params.seed is None:  # chosen here, so that a resumed stream samples what it would have
             params = replace(params, seed=secrets.randbits(63))
         request = DecodeRequest(request_id, prompt_token_ids, params)
-        prefilled = None if self.mode == "colocated" else await self._prefill(request)
-        if prefilled is None:  # colocated, or no prefill worker left: a decode worker prefills too
+        local = self.mode == "colocated" or len(prompt_token_ids) <= self.local_prefill_tokens
+        if local and self.mode == "disaggregated":
+            METRICS.local_prefills.inc()
+        prefilled = None if local else await self._prefill(request)
+        if prefilled is None:  # colocated, short, or no prefill worker left: a decode worker prefills
             async for delta in self._decode_anywhere(request, None):
                 yield delta
             return

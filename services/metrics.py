@@ -39,6 +39,8 @@ class Metrics:
         self.kv_transfer_failures = Counter(p + "kv_transfer_failures", "KV transfers that failed.", registry=r)
         self.requests_refused = Counter(p + "requests_refused", "Requests refused at admission (429/503).",
                                         ["reason"], registry=r)
+        self.local_prefills = Counter(p + "local_prefills", "Short prompts prefilled by their decode worker.",
+                                      registry=r)
         self.prefill_failovers = Counter(p + "prefill_failovers", "Prefills retried after their worker died.",
                                          registry=r)
         self.kv_recomputes = Counter(p + "kv_recomputes", "Prompts recomputed on the decode side: KV lost or corrupt.",

@@ -385,3 +385,28 @@ def test_logprobs_through_the_split_path_are_the_engines(tiny_server):
     assert [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in content] == \
         [pytest.approx({f"token_id:{k}": v for k, v in sorted(lp.items(), key=lambda kv: -kv[1])[:3]}, abs=1e-5)
          for lp in chat_want.logprobs]  # the top 3 (the engine's entry also holds the chosen token)
+
+
+def test_short_prompts_prefill_on_their_decode_worker(cluster, tiny_path):
+    """Conditional disaggregation: a prompt of at most --local-prefill-tokens tokens skips the
+    prefill worker and the KV hand-off; a longer one does not. Both answer as the single engine."""
+    from services import Engine
+    from services.metrics import METRICS
+
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-local", engine_options=OPTIONS)
+    engine = Engine(model=str(tiny_path))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with router_server(spec, local_prefill_tokens=8) as (url, actors, _):
+        prefill, decode = actors
+        for prompt, where in (([1, 30, 31, 32, 33, 34, 35, 36], "decode"), ([1] + list(range(50, 70)), "prefill")):
+            before = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
+            local = METRICS.local_prefills._value.get()
+            text, _ = checks.streamed_text(url, prompt, 12)
+            assert text == engine.generate([prompt], params)[0].text
+            after = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
+            if where == "decode":  # the prompt and the 11 decode steps, all on the decode worker
+                assert (after[prefill] - before[prefill], after[decode] - before[decode]) == (0, len(prompt) + 11)
+                assert METRICS.local_prefills._value.get() == local + 1
+            else:  # the prompt on the prefill worker; the decode worker feeds only the 11 new tokens
+                assert (after[prefill] - before[prefill], after[decode] - before[decode]) == (len(prompt), 11)
+                assert METRICS.local_prefills._value.get() == local
