@@ -75,11 +75,11 @@ def create_app(state: RouterState) -> FastAPI:
     async def health():
         for stats in await state.pool.poll():
             METRICS.record_worker(stats)
-        roles = {"prefill": "prefill" if state.orchestrator.mode == "disaggregated" else "decode",
-                 "decode": "decode"}
-        missing = [r for r, pool_role in roles.items() if not state.pool.role(pool_role)]
-        if missing:
-            return JSONResponse({"status": "unhealthy", "missing": missing}, status_code=503)
+        if not state.pool.role("decode"):
+            return JSONResponse({"status": "unhealthy", "missing": ["decode"]}, status_code=503)
+        if state.orchestrator.mode == "disaggregated" and not state.pool.role("prefill"):
+            # Still serving: the decode workers prefill (slower TTFT, no hand-off), so not a 503.
+            return {"status": "degraded", "missing": ["prefill"]}
         return {"status": "ok"}
 
     @app.get("/metrics")

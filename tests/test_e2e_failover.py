@@ -124,4 +124,14 @@ def test_dead_prefill_workers_are_skipped_then_decode_workers_prefill(cluster, t
         assert complete(stream=True) == expected
         assert METRICS.prefill_failovers._value.get() == failovers + 2
         assert (first.alive, second.alive) == (False, False)
+        health = httpx.get(url + "/health", timeout=10)  # still serving: the decode worker prefills
+        assert (health.status_code, health.json()) == (200, {"status": "degraded", "missing": ["prefill"]})
+        (decode,) = state.pool.role("decode")
+        ray.kill(decode.actor, no_restart=True)  # nothing left that can decode: refused, with Retry-After
+        health = httpx.get(url + "/health", timeout=10)
+        assert (health.status_code, health.json()) == (503, {"status": "unhealthy", "missing": ["decode"]})
+        refused = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert (refused.status_code, refused.headers["retry-after"]) == (503, "1")
+        assert refused.json()["error"] == {"message": "no decode worker is alive", "type": "ServiceUnavailableError",
+                                           "param": None, "code": 503}
 
