@@ -41,6 +41,16 @@ def two_node_cluster(num_prefill_slots: int = 2, num_decode_slots: int = 2):
 def router_server(spec: ClusterSpec, model_name: str = "test-model", **router_options):
     """Start the spec's workers, serve the router on a free loopback port; yields (base_url, actors, state)."""
     actors = start_workers(spec, local=False)
+    try:
+        with serve_router(spec, model_name, **router_options) as (url, state):
+            yield url, actors, state
+    finally:
+        stop_workers(actors)
+
+
+@contextlib.contextmanager
+def serve_router(spec: ClusterSpec, model_name: str = "test-model", **router_options):
+    """A router for the workers of `spec` that already run, on a free loopback port; yields (base_url, state)."""
     state = build_router_state(spec, model_name, **router_options)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
@@ -52,8 +62,7 @@ def router_server(spec: ClusterSpec, model_name: str = "test-model", **router_op
             raise RuntimeError("the router did not start")
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", actors, state
+        yield f"http://127.0.0.1:{port}", state
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-        stop_workers(actors)

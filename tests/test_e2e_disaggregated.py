@@ -7,7 +7,7 @@ import e2e_checks as checks
 import httpx
 import pytest
 import ray
-from cluster_harness import router_server, two_node_cluster
+from cluster_harness import router_server, serve_router, two_node_cluster
 
 from router.launcher import ClusterSpec
 from services.kv_payload import KVPayload
@@ -410,3 +410,30 @@ def test_short_prompts_prefill_on_their_decode_worker(cluster, tiny_path):
             else:  # the prompt on the prefill worker; the decode worker feeds only the 11 new tokens
                 assert (after[prefill] - before[prefill], after[decode] - before[decode]) == (len(prompt), 11)
                 assert METRICS.local_prefills._value.get() == local
+
+
+def test_two_routers_share_the_named_workers(tiny_server):
+    """A second router attaches to the running workers by name: streams through both routers at
+    once are each the single engine's, the decode worker keeps one channel per router, and when
+    they end no block is held."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services import Engine
+
+    url_a, actors, model = tiny_server
+    decode = actors[1]
+    spec = ClusterSpec(model=model, namespace="pd-tiny", engine_options=OPTIONS)  # the same pool, by name
+    prompts = [[1] + [100 + 7 * i + j for j in range(10)] for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = [o.text for o in Engine(model=model).generate(prompts, params)]
+    with serve_router(spec) as (url_b, state_b):
+        assert sorted(state_b.pool.workers) == ["decode-0", "prefill-0"]
+        urls = [url_a, url_b] * 3
+        with ThreadPoolExecutor(6) as pool:
+            texts = list(pool.map(lambda up: checks.streamed_text(up[0], up[1], 40)[0], zip(urls, prompts)))
+        assert texts == expected
+        channels = ray.get(decode.__ray_call__.remote(lambda self: sorted(self._channels)))
+        assert len(channels) == 2 and any(c.startswith(state_b.orchestrator.router_id) for c in channels)
+    stats = ray.get(decode.stats.remote())
+    assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+
