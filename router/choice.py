@@ -43,11 +43,14 @@ class ChoiceState:
     def update(self, delta: TokenDelta) -> ChoiceUpdate:
         """Consume one delta. A completed stop string sets `finish_reason` to "stop" before the
         workers know: the caller then closes the stream, which aborts the request."""
-        self.token_ids += delta.token_ids
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         emitted = self.stream.feed(delta.token_ids, delta.finish_reason is not None)
+        used = self.stream.consumed  # tokens after a stop string's end do not count
+        token_ids = delta.token_ids[:used]
+        logprobs = None if delta.logprobs is None else delta.logprobs[:used]
+        self.token_ids += token_ids
         self.finish_reason = "stop" if self.stream.stopped else delta.finish_reason
-        return ChoiceUpdate(self.index, emitted, delta.token_ids, delta.logprobs, self.finish_reason)
+        return ChoiceUpdate(self.index, emitted, token_ids, logprobs, self.finish_reason)
 
 
 def token_id_name(token_id: int) -> str:

@@ -197,10 +197,10 @@ class _Collected:
 
     def add(self, out: StepOutput) -> bool:
         """Add one step's output; True when a stop string ends the request before the engine does."""
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.new_logprobs or []
         self.num_cached_tokens = out.num_cached_tokens
         self.text.feed(out.new_token_ids, out.finish_reason is not None)
+        self.token_ids += out.new_token_ids[: self.text.consumed]
+        self.logprobs += (out.new_logprobs or [])[: self.text.consumed]
         self.finish_reason = "stop" if self.text.stopped else out.finish_reason
         return self.text.stopped and out.finish_reason is None
 

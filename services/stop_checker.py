@@ -25,6 +25,10 @@ class StopChecker:
     def stopped(self) -> bool:
         return self._stopped
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def feed(self, new_text: str) -> tuple[str, bool]:
         """Returns (text safe to emit now, whether a stop string has completed). After a stop, ("", True)."""
         if self._stopped:

@@ -18,13 +18,29 @@ class TextStream:
         self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         self.text = ""
         self.stopped = False  # a stop string ended the text
+        self.consumed = 0  # how many tokens of the last `feed` count: those up to a stop string's end
 
     def feed(self, token_ids: list[int], finished: bool) -> str:
         """Text that is safe to emit after these tokens (partial characters and partial stop-string
         matches are held back until `finished`). After a stop string, `stopped` is set and every
-        later call returns ""."""
+        later call returns "". `consumed` tells how many of `token_ids` the text used: a stop string
+        completed by one token of several (a lagging reader's merged delta) drops the ones after it
+        from the output and from its token count."""
         if self.stopped:
+            self.consumed = 0
             return ""
+        if len(token_ids) > 1 and self.stop_checker.has_stop_strings:
+            emitted = ""
+            for i, token_id in enumerate(token_ids):
+                emitted += self._feed([token_id], finished and i == len(token_ids) - 1)
+                if self.stopped:
+                    break
+            self.consumed = i + 1
+            return emitted
+        self.consumed = len(token_ids)
+        return self._feed(token_ids, finished)
+
+    def _feed(self, token_ids: list[int], finished: bool) -> str:
         new_text = self.detokenizer.push(token_ids)
         if finished:
             new_text += self.detokenizer.flush()  # a character cut in half by the end

@@ -437,3 +437,34 @@ def test_two_routers_share_the_named_workers(tiny_server):
     stats = ray.get(decode.stats.remote())
     assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
 
+
+
+def test_a_stop_string_ends_the_request_on_both_sides(tiny_server):
+    """A stop string is matched at the router (text cut before it, finish_reason "stop", usage
+    counting the tokens up to the match); the decode worker is told and frees the blocks."""
+    import time
+
+    from services import Engine
+
+    url, actors, model = tiny_server
+    decode = actors[1]
+    prompt = [1, 60, 61, 62, 63]
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    out = Engine(model=model).generate([prompt], params)[0]
+    start = next(i for i in range(30, len(out.text)) if "\ufffd" not in out.text[i : i + 3])
+    stop = out.text[start : start + 3]
+    cut = out.text.index(stop)
+    tokenizer = Tokenizer.from_folder(model)
+    needed = next(k for k in range(1, 301) if stop in tokenizer.decode(out.token_ids[:k]))
+    body = checks.completion(url, prompt, 300, stop=[stop])
+    choice = body["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (out.text[:cut], "stop")
+    assert body["usage"]["completion_tokens"] == needed
+    text, chunks = checks.streamed_text(url, prompt, 300, stop=[stop])
+    assert text == out.text[:cut]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == needed
+    deadline = time.monotonic() + 10
+    while (stats := ray.get(decode.stats.remote())).num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
