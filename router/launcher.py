@@ -177,7 +177,8 @@ def build_router_state(spec: ClusterSpec, model_name: str, **router_options):
     engine_config = EngineConfig(model=spec.model, **spec.engine_options)
     pool = WorkerPool(spec.namespace)
     pool.discover()
-    orchestrator = Orchestrator(pool, spec.mode, local_prefill_tokens=router_options.pop("local_prefill_tokens", 0))
+    orchestrator = Orchestrator(pool, spec.mode, local_prefill_tokens=router_options.pop("local_prefill_tokens", 0),
+                                block_size=engine_config.block_size)
     return RouterState(model_name=model_name, tokenizer=Tokenizer.from_folder(spec.model),
                        max_model_len=engine_config.resolve_max_model_len(model), vocab_size=model.vocab_size,
                        pool=pool, orchestrator=orchestrator, **router_options)

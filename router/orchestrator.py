@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from router.decode_channel import ChannelClosed, DecodeChannel, KVLost, WorkerFailed, WorkerLost
+from router.prefix_index import PrefixIndex
 from router.worker_pool import WorkerHandle, WorkerPool
 from services.kv_transport import KVTransport, ObjectStoreTransport
 from services.metrics import METRICS
@@ -38,7 +39,7 @@ log = logging.getLogger("pdserve.router")
 
 class Orchestrator:
     def __init__(self, pool: WorkerPool, mode: str, transport: KVTransport | None = None,
-                 local_prefill_tokens: int = 0) -> None:
+                 local_prefill_tokens: int = 0, block_size: int = 16) -> None:
         assert mode in ("disaggregated", "colocated")
         self.pool = pool
         self.mode = mode
@@ -46,6 +47,7 @@ class Orchestrator:
         # Conditional disaggregation: a prompt this short costs the decode worker less to prefill
         # than a KV hand-off costs the request (a hop, a transfer, a copy), so it stays there.
         self.local_prefill_tokens = local_prefill_tokens
+        self.prefixes = PrefixIndex(block_size)  # prompts go where their prefix is likely cached
         self.router_id = uuid.uuid4().hex
         self.channels: dict[str, DecodeChannel] = {}
         self.max_failovers = 2  # decode workers a stream may lose before it fails
@@ -88,10 +90,13 @@ class Orchestrator:
         """The prefill's metadata and its call's stream (whose next item is the KV), from the least
         loaded prefill worker; one that dies is marked so and the next one tried. None when no
         prefill worker is left (the caller lets a decode worker prefill)."""
+        keys = self.prefixes.keys(request.prompt_token_ids)
         for _ in range(self.max_failovers + 1):
             if not self.pool.role("prefill"):
                 break
-            with self.pool.claim("prefill", len(request.prompt_token_ids)) as worker:
+            cached = self.prefixes.cached_tokens(keys)
+            with self.pool.claim("prefill", len(request.prompt_token_ids), cached) as worker:
+                self.prefixes.record(keys, worker.name)
                 prefill = worker.actor.prefill.remote(PrefillRequest(request.request_id, request.prompt_token_ids,
                                                                      request.params))
                 try:

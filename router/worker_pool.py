@@ -48,15 +48,18 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.role == role and w.alive]
 
     @contextlib.contextmanager
-    def claim(self, role: str, load: int) -> Iterator[WorkerHandle]:
-        """The least loaded live worker of `role`, charged `load` until the block exits."""
+    def claim(self, role: str, load: int, cached: dict[str, int] | None = None) -> Iterator[WorkerHandle]:
+        """The least loaded live worker of `role`, charged `load` until the block exits. For prefill,
+        `cached` (tokens of this prompt a worker likely has cached) lowers that worker's cost: the
+        choice minimizes queued tokens plus the tokens it must compute."""
         candidates = self.role(role)
         if not candidates:
             raise APIError(503, f"no {role} worker is alive", retry_after=1)
         if role == "decode":
             worker = min(candidates, key=lambda w: (w.outstanding, -w.free_kv_blocks))
         else:
-            worker = min(candidates, key=lambda w: w.outstanding)
+            cached = cached or {}
+            worker = min(candidates, key=lambda w: w.outstanding - cached.get(w.name, 0))
         worker.outstanding += load
         try:
             yield worker

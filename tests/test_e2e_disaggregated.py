@@ -468,3 +468,34 @@ def test_a_stop_string_ends_the_request_on_both_sides(tiny_server):
     while (stats := ray.get(decode.stats.remote())).num_running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_prompts_go_where_their_prefix_is_cached_unless_the_queue_there_costs_more(cluster, tiny_path):
+    """Two prefill workers. A prompt sharing a 32-token prefix with an earlier one goes to the worker
+    that computed it (32 tokens served from its cache), even with 20 tokens queued there; with 1,000
+    queued there it goes to the other worker and is computed in full."""
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-prefix", num_prefill=2, engine_options=OPTIONS)
+    shared = [1] + list(range(300, 331))  # 32 tokens: two whole blocks
+    with router_server(spec) as (url, actors, state):
+        prefills = {ray.get(a.ping.remote()): a for a in actors[:2]}
+
+        def processed() -> dict[str, int]:
+            return {name: ray.get(a.stats.remote()).num_tokens_processed for name, a in prefills.items()}
+
+        def send(prompt: list[int]) -> tuple[dict[str, int], int]:
+            before = processed()
+            body = checks.completion(url, prompt, 2)
+            after = processed()
+            return {n: after[n] - before[n] for n in after}, body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        work, cached = send(shared + [5, 6])
+        (first,) = [n for n, tokens in work.items() if tokens]
+        (other,) = [n for n in prefills if n != first]
+        assert (work[first], cached) == (34, 0)
+        state.pool.workers[first].outstanding += 20  # as if another request's 20 tokens were queued there
+        work, cached = send(shared + [7, 8, 9])
+        assert (work, cached) == ({first: 3, other: 0}, 32)
+        state.pool.workers[first].outstanding += 980
+        work, cached = send(shared + [10, 11])
+        assert (work, cached) == ({first: 0, other: 34}, 0)
+        state.pool.workers[first].outstanding -= 1000
