@@ -20,7 +20,7 @@ OPTIONS = {"num_threads": 1, "max_num_seqs": 32}
 
 @pytest.fixture(scope="module")
 def cluster():
-    with two_node_cluster() as nodes:
+    with two_node_cluster(num_prefill_slots=3) as nodes:  # the module server holds one; a test starts two more
         yield nodes
 
 
