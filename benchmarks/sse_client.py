@@ -23,9 +23,10 @@ class SSEClient:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def post_stream(self, path: str, body: dict, request_id: str) -> dict:
+    async def post_stream(self, path: str, body: dict, request_id: str, arrivals: list | None = None) -> dict:
         """Send the request; read the SSE stream to [DONE]. Returns the times of sending and of the
-        first data event, the number of data events, and the final usage (if the server sent it)."""
+        first data event, the number of data events, and the final usage (if the server sent it).
+        With `arrivals`, each data event's arrival time is appended to it."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         payload = json.dumps(body).encode()
@@ -49,8 +50,11 @@ class SSEClient:
             for event in complete:
                 if not event.startswith(b"data: {"):
                     continue
-                first = first or time.perf_counter()
+                now = time.perf_counter()
+                first = first or now
                 events += 1
+                if arrivals is not None and b'"choices": []' not in event:  # not the usage-only event
+                    arrivals.append(now)
                 if b'"usage"' in event:
                     usage = json.loads(event[6:]).get("usage") or usage
         return {"sent": sent, "first": first, "events": events, "usage": usage}
