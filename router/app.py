@@ -39,6 +39,7 @@ class RouterState:
     max_n: int = 16
     max_body_bytes: int = 4 * 2**20
     max_pending: int | None = 1024  # completions in flight through this router; beyond it, 429
+    request_timeout: float | None = None  # seconds a completion may take; past it, 504 (None: no limit)
     stats_interval: float = 1.0
 
 

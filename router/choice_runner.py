@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from router.choice import ChoiceState, ChoiceUpdate
+from router.errors import APIError
 from services.metrics import METRICS
 
 if TYPE_CHECKING:
@@ -28,15 +29,14 @@ async def run_choices(state, prep: Prepared) -> AsyncIterator[tuple[ChoiceState,
             seed = None if prep.params.seed is None else (prep.params.seed + j) % 2**63
             choices.append(ChoiceState(p * prep.n + j, state.tokenizer, replace(prep.params, seed=seed), prompt))
 
+    if len(choices) == 1:  # the common case needs no tasks: one hop less per token
+        items = _single(state, prep, choices[0], start)
+    else:
+        items = _interleaved(state, prep, choices, start)
     try:
-        if len(choices) == 1:  # the common case needs no tasks: one hop less per token
-            async with contextlib.aclosing(_updates(state, prep, choices[0], start)) as updates:
-                async for update in updates:
-                    yield choices[0], update
-        else:
-            async with contextlib.aclosing(_interleaved(state, prep, choices, start)) as items:
-                async for item in items:
-                    yield item
+        async with contextlib.aclosing(items):
+            async for item in _within(items, state.request_timeout):
+                yield item
     finally:
         METRICS.e2e_request_latency.observe(time.perf_counter() - start)
         for c in choices:
@@ -44,6 +44,34 @@ async def run_choices(state, prep: Prepared) -> AsyncIterator[tuple[ChoiceState,
             METRICS.generation_tokens.inc(len(c.token_ids))
             if c.finish_reason is not None:
                 METRICS.request_success.labels(c.finish_reason).inc()
+
+
+async def _within(items: AsyncIterator, timeout: float | None) -> AsyncIterator:
+    """`items`, ended by a 504 once `timeout` seconds have passed (None: no deadline). The deadline
+    interrupts only the wait for the next item: cancelling that wait unwinds `items`, which aborts
+    the request on the workers."""
+    if timeout is None:
+        async for item in items:
+            yield item
+        return
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                item = await anext(items)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            METRICS.request_timeouts.inc()
+            raise APIError(504, f"the request ran past the server's deadline of {timeout:g} s") from None
+        yield item
+
+
+async def _single(state, prep: Prepared, choice: ChoiceState, start: float
+                  ) -> AsyncIterator[tuple[ChoiceState, ChoiceUpdate]]:
+    async with contextlib.aclosing(_updates(state, prep, choice, start)) as updates:
+        async for update in updates:
+            yield choice, update
 
 
 async def _updates(state, prep: Prepared, choice: ChoiceState, start: float) -> AsyncIterator[ChoiceUpdate]:

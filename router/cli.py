@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--local-prefill-tokens", type=_non_negative_int, default=0,
                        help="disaggregated: prompts of at most this many tokens are prefilled by their decode worker "
                             "(no KV hand-off; 0: never)")
+    serve.add_argument("--request-timeout", type=_positive_float, default=None,
+                       help="seconds a completion may take; past it the request is aborted and answered 504 "
+                            "(a stream ends with a 504 error event); default: no limit")
     serve.add_argument("--max-pending", type=_positive_int, default=1024,
                        help="completions in flight through the router; one more gets 429 + Retry-After")
 
@@ -148,7 +151,8 @@ def serve(args: argparse.Namespace) -> None:
                        peak_bytes_per_second=None if args.peak_gbps is None else args.peak_gbps * 1e9)
     address = None if args.address is None else args.address
     run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, api_key=args.api_key,
-        max_pending=args.max_pending, local_prefill_tokens=args.local_prefill_tokens)
+        max_pending=args.max_pending, local_prefill_tokens=args.local_prefill_tokens,
+        request_timeout=args.request_timeout)
 
 
 def make_model(args: argparse.Namespace) -> None:

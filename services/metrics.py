@@ -37,6 +37,8 @@ class Metrics:
         self.kv_transfer_bytes = Histogram(p + "kv_transfer_bytes", "KV bytes per transfer.",
                                            buckets=BYTES_BUCKETS, registry=r)
         self.kv_transfer_failures = Counter(p + "kv_transfer_failures", "KV transfers that failed.", registry=r)
+        self.request_timeouts = Counter(p + "request_timeouts", "Requests ended by --request-timeout (504).",
+                                        registry=r)
         self.requests_refused = Counter(p + "requests_refused", "Requests refused at admission (429/503).",
                                         ["reason"], registry=r)
         self.local_prefills = Counter(p + "local_prefills", "Short prompts prefilled by their decode worker.",

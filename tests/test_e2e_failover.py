@@ -4,6 +4,7 @@ lost or repeated (simulated two-node Ray cluster, two decode workers, real HTTP)
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -135,3 +136,30 @@ def test_dead_prefill_workers_are_skipped_then_decode_workers_prefill(cluster, t
         assert refused.json()["error"] == {"message": "no decode worker is alive", "type": "ServiceUnavailableError",
                                            "param": None, "code": 503}
 
+
+
+def test_a_request_past_the_deadline_is_answered_504_and_aborted(cluster, tiny_path):
+    """--request-timeout: a non-streamed request past it gets a 504 body; a stream gets its tokens so
+    far, then a 504 error event and [DONE]; either way the decode worker drops it and frees its blocks."""
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-deadline", engine_options=OPTIONS)
+    body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    error = {"message": "the request ran past the server's deadline of 0.3 s", "type": "TimeoutError",
+             "param": None, "code": 504}
+    timeouts = METRICS.request_timeouts._value.get()
+    with router_server(spec, request_timeout=0.3) as (url, actors, _):
+        decode = actors[1]
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert (answer.status_code, answer.json()) == (504, {"error": error})
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as response:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2]) == {"error": error}
+        assert json.loads(events[0])["choices"][0]["text"] is not None  # tokens came first
+        assert METRICS.request_timeouts._value.get() == timeouts + 2
+        short = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 5}, timeout=30)
+        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 5
+        deadline = time.monotonic() + 10
+        while (stats := ray.get(decode.stats.remote())).num_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks

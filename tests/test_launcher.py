@@ -64,7 +64,7 @@ def test_bad_engine_options_and_model_folder_are_refused(tmp_path):
     ["generate", "--prompt", "x", "--max-tokens", "-1"], ["generate", "--prompt", "x", "--temperature", "nan"],
     ["serve", "--peak-tflops", "0"], ["serve", "--peak-gbps", "-3"], ["serve", "--peak-gbps", "inf"],
     ["serve", "--peak-tflops", "nan"], ["serve", "--max-pending", "0"], ["serve", "--max-pending", "many"],
-    ["serve", "--local-prefill-tokens", "-1"],
+    ["serve", "--local-prefill-tokens", "-1"], ["serve", "--request-timeout", "0"], ["serve", "--request-timeout", "x"],
 ])
 def test_cli_refuses_bad_flags(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -78,5 +78,6 @@ def test_cli_parses_labels():
     assert args.prefill_labels == {"a": "b", "c": "d"}
     assert args.max_pending == 1024
     assert build_parser().parse_args(["serve", "--max-pending", "8"]).max_pending == 8
-    assert args.local_prefill_tokens == 0
+    assert args.local_prefill_tokens == 0 and args.request_timeout is None
+    assert build_parser().parse_args(["serve", "--request-timeout", "2.5"]).request_timeout == 2.5
     assert build_parser().parse_args(["serve", "--local-prefill-tokens", "64"]).local_prefill_tokens == 64
