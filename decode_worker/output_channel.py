@@ -19,7 +19,8 @@ from services.request_output import StepOutput
 
 
 def _as_delta(out: StepOutput) -> TokenDelta:
-    return TokenDelta(out.new_token_ids, out.new_logprobs, out.finish_reason, out.num_cached_tokens)
+    return TokenDelta(out.new_token_ids, out.new_logprobs, out.finish_reason, out.num_cached_tokens,
+                      prompt_logprobs=out.prompt_logprobs)
 
 
 class OutputChannel:

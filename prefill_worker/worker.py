@@ -46,6 +46,7 @@ class PrefillWorker:
             request_id=request.request_id,
             first_token_id=out.new_token_ids[0],
             first_logprobs=out.new_logprobs[0] if out.new_logprobs else None,
+            prompt_logprobs=out.prompt_logprobs,
             finish_reason="stop" if out.finish_reason == "stop" else None,
             num_cached_tokens=out.num_cached_tokens,
             prefill_seconds=done - arrived,

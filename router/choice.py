@@ -32,6 +32,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float]] | None = None  # entry i: prompt token i + 1 (echo + logprobs)
 
     def __post_init__(self) -> None:
         self.stream = TextStream(self.tokenizer, self.prompt_token_ids, self.params)
@@ -44,6 +45,8 @@ class ChoiceState:
         """Consume one delta. A completed stop string sets `finish_reason` to "stop" before the
         workers know: the caller then closes the stream, which aborts the request."""
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         emitted = self.stream.feed(delta.token_ids, delta.finish_reason is not None)
         used = self.stream.consumed  # tokens after a stop string's end do not count
         token_ids = delta.token_ids[:used]
@@ -70,6 +73,22 @@ def completion_logprobs(name: Callable[[int], str], token_ids: list[int], logpro
         "tokens": tokens,
         "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
         "top_logprobs": [{name(k): v for k, v in lp.items()} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def prompt_completion_logprobs(name: Callable[[int], str], prompt_ids: list[int],
+                               prompt_logprobs: list[dict[int, float]]) -> dict:
+    """The legacy `logprobs` object for an echoed prompt: its first token has none (nothing precedes it)."""
+    tokens = [name(t) for t in prompt_ids]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] + [lp[t] for t, lp in zip(prompt_ids[1:], prompt_logprobs)],
+        "top_logprobs": [None] + [{name(k): v for k, v in lp.items()} for lp in prompt_logprobs],
         "text_offset": offsets,
     }
 

@@ -8,7 +8,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from router.choice import ChoiceState, chat_logprobs, completion_logprobs, token_id_name
+from router.choice import (
+    ChoiceState,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_completion_logprobs,
+    token_id_name,
+)
 from router.choice_runner import run_choices
 from router.errors import APIError
 from router.schemas import ChatCompletionRequest, CompletionRequest
@@ -51,11 +57,12 @@ def _check_length(state, prompt: list[int], max_tokens: int) -> None:
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
 
 
-def _params(state, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(state, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+            ) -> SamplingParams:
     if body.n > state.max_n:
         raise APIError(400, f"n must be at most {state.max_n}", "n")
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as error:
         raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
 
@@ -72,7 +79,9 @@ def prepare_completion(state, body: CompletionRequest, request_id: str) -> Prepa
     for p in prompts:
         _check_length(state, p, max_tokens)
     echo = [state.tokenizer.decode(p, skip_special_tokens=True) for p in prompts] if body.echo else None
-    return Prepared(request_id, False, state.model_name, prompts, _params(state, body, max_tokens, body.logprobs),
+    # echo + logprobs scores the prompt too (what evaluation harnesses ask for): prompt logprobs.
+    params = _params(state, body, max_tokens, body.logprobs, body.logprobs if body.echo else None)
+    return Prepared(request_id, False, state.model_name, prompts, params,
                     body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), echo, 0,
                     body.return_tokens_as_token_ids)
 
@@ -103,12 +112,20 @@ def usage(prep: Prepared, choices: list[ChoiceState]) -> dict:
 
 def _choice_body(state, prep: Prepared, choice: ChoiceState, text: str, token_ids: list[int],
                  logprobs: list | None, finish_reason: str | None, stream: bool, first: bool) -> dict:
+    """One choice's part of a response (all of it) or of a chunk (`text` and the tokens since the
+    last one). A completion's `echo` goes before the first: its text, and with logprobs the prompt's."""
+    echo = prep.echo_texts[choice.index // prep.n] if prep.echo_texts else ""
+    name = token_id_name if prep.tokens_as_ids else state.tokenizer.token_text
     lp = None
     if logprobs is not None:
-        name = token_id_name if prep.tokens_as_ids else state.tokenizer.token_text
         lp = (chat_logprobs(name, token_ids, logprobs, prep.num_top_logprobs) if prep.chat else
-              completion_logprobs(name, token_ids, logprobs, len(choice.text) - len(text)))
+              completion_logprobs(name, token_ids, logprobs, len(echo) + len(choice.text) - len(text)))
     if not prep.chat:
+        if first and echo:
+            text = echo + text
+            if lp is not None and choice.prompt_logprobs is not None:
+                prompt = prompt_completion_logprobs(name, choice.prompt_token_ids, choice.prompt_logprobs)
+                lp = {key: prompt[key] + lp[key] for key in lp}
         return {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
     if stream:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
@@ -134,12 +151,8 @@ async def complete(state, prep: Prepared) -> dict:
     ordered = [choices[i] for i in sorted(choices)]
     bodies = []
     for c in ordered:
-        echo = prep.echo_texts[c.index // prep.n] if prep.echo_texts else ""
-        body = _choice_body(state, prep, c, c.text, c.token_ids, logprobs.get(c.index) if c.params.logprobs
-                            is not None else None, c.finish_reason, False, True)
-        if echo:
-            body["text"] = echo + body["text"]
-        bodies.append(body)
+        bodies.append(_choice_body(state, prep, c, c.text, c.token_ids, logprobs.get(c.index) if c.params.logprobs
+                                   is not None else None, c.finish_reason, False, True))
     return {**_envelope(prep, int(time.time()), False), "choices": bodies, "usage": usage(prep, ordered)}
 
 
@@ -153,8 +166,6 @@ async def stream(state, prep: Prepared) -> AsyncIterator[str]:
             first = choice.index not in seen
             seen[choice.index] = choice
             text = update.text
-            if first and prep.echo_texts:
-                text = prep.echo_texts[choice.index // prep.n] + text
             if not text and update.finish_reason is None and update.logprobs is None and not first:
                 continue  # a held-back partial character or stop-string prefix: nothing to send yet
             body = _choice_body(state, prep, choice, text, update.token_ids, update.logprobs,

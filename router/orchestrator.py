@@ -70,7 +70,8 @@ class Orchestrator:
         METRICS.request_prefill_time.observe(meta.prefill_seconds)
         done = meta.finish_reason is not None or params.max_tokens == 1
         yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
-                         meta.finish_reason or ("length" if done else None), meta.num_cached_tokens)
+                         meta.finish_reason or ("length" if done else None), meta.num_cached_tokens,
+                         prompt_logprobs=meta.prompt_logprobs)
         # Let the first token reach the client before spending the loop on the decode calls.
         await asyncio.sleep(0)
         if done:
@@ -175,5 +176,6 @@ class Orchestrator:
 def _resumed(request: DecodeRequest, delivered: list[int]) -> DecodeRequest:
     """`request` restarted without KV: a decode worker prefills the prompt plus the tokens the client
     already has (`delivered`) and continues after them."""
-    return DecodeRequest(request.request_id, request.prompt_token_ids, request.params,
+    # The prompt's logprobs went out with the first token; the resumed prefill does not redo them.
+    return DecodeRequest(request.request_id, request.prompt_token_ids, replace(request.params, prompt_logprobs=None),
                          output_token_ids=list(delivered))

@@ -70,7 +70,8 @@ class SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed with stream: true")
         return value
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -81,6 +82,7 @@ class SamplingFields(BaseModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, seed=self.seed,
             ignore_eos=self.ignore_eos, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
 

@@ -133,7 +133,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        sampled, exported = self.runner.run(batch)
+        sampled, exported, prompt_logprobs = self.runner.run(batch)
+        for i, entries in prompt_logprobs.items():
+            batch.seqs[i].prompt_logprobs += entries
         failed = self._failed_kv_checks(batch.seqs)
         self.num_tokens_processed += sum(batch.num_new_tokens)
         touched = self.scheduler.update(batch, sampled)
@@ -159,8 +161,9 @@ class Engine:
         # A prefilled sequence's first token was sampled (and reported) by the prefill side.
         logprobs = seq.output_logprobs[-1:] if seq.params.logprobs is not None else None
         reason = seq.finish_reason.value if seq.finish_reason else None
+        with_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1
         return StepOutput(seq.request_id, [seq.token_ids[-1]], logprobs, reason, seq.num_prompt_tokens,
-                          seq.num_cached_tokens, kv)
+                          seq.num_cached_tokens, kv, prompt_logprobs=seq.prompt_logprobs if with_prompt else None)
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -194,10 +197,12 @@ class _Collected:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float]] | None = None
 
     def add(self, out: StepOutput) -> bool:
         """Add one step's output; True when a stop string ends the request before the engine does."""
         self.num_cached_tokens = out.num_cached_tokens
+        self.prompt_logprobs = out.prompt_logprobs if out.prompt_logprobs is not None else self.prompt_logprobs
         self.text.feed(out.new_token_ids, out.finish_reason is not None)
         self.token_ids += out.new_token_ids[: self.text.consumed]
         self.logprobs += (out.new_logprobs or [])[: self.text.consumed]
@@ -207,4 +212,4 @@ class _Collected:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text.text,
                              self.finish_reason, self.logprobs if self.params.logprobs is not None else None,
-                             self.num_cached_tokens)
+                             self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)

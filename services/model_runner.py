@@ -15,7 +15,7 @@ from services.kv_payload import KVPayload
 from services.model import LlamaModel
 from services.model_config import ModelConfig
 from services.roofline import ModelCost, PhaseTotals
-from services.sampler import sample
+from services.sampler import logprob_entry, sample
 from services.scheduler import SampledToken, ScheduledBatch
 from services.sequence import Sequence
 
@@ -43,16 +43,22 @@ class ModelRunner:
         return self.kv_slots[:, :, 0].numel() * self.kv_cache.element_size()
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[SampledToken | None], dict[str, KVPayload]]:
-        """Forward one step. Returns a token per sequence that reached its last token (else None)
-        and the exported KV of every `export_kv` sequence whose prompt completed this step."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[SampledToken | None], dict[str, KVPayload],
+                                                  dict[int, list[dict[int, float]]]]:
+        """Forward one step. Returns a token per sequence that reached its last token (else None),
+        the exported KV of every `export_kv` sequence whose prompt completed this step, and the
+        prompt logprobs computed this step by batch index (sequences that asked for them)."""
         start_time = time.perf_counter()
         for seq in batch.kv_imports:
             self.import_kv(seq)
         input_ids, positions, seq_index = [], [], []
         logit_indices, sampling_seqs = [], []
+        prompt_rows: list[tuple[int, int, int]] = []  # (flat row, batch index, the prompt token it predicts)
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
+            if seq.wants_prompt_logprobs:  # the row at position j predicts prompt token j + 1
+                for j in range(max(start, len(seq.prompt_logprobs)), min(start + num_new, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append((len(input_ids) + j - start, i, seq.token_ids[j + 1]))
             input_ids += seq.token_ids[start : start + num_new]
             positions += range(start, start + num_new)
             seq_index += [i] * num_new
@@ -61,13 +67,25 @@ class ModelRunner:
                 sampling_seqs.append(seq)
         meta = self._attention_metadata(batch, positions, seq_index)
         logits = self.model.forward(self._tensor(input_ids), self._tensor(positions), meta, self.kv_slots,
-                                    self._tensor(logit_indices))
+                                    self._tensor(logit_indices + [row for row, _, _ in prompt_rows]))
+        prompt_logprobs = self._prompt_logprobs(logits[len(logit_indices) :], prompt_rows, batch)
+        logits = logits[: len(logit_indices)]
         exported = {s.request_id: self.export_kv(s, s.num_tokens) for s in sampling_seqs if s.export_kv}
         tokens = iter(sample(logits, sampling_seqs, self.config.eos_token_ids) if sampling_seqs else [])
         sampled = [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]
-        self.phase_totals.record(self.cost, batch.num_new_tokens, meta.context_lens, len(sampling_seqs),
-                                 time.perf_counter() - start_time)  # sampling ends with a device sync
-        return sampled, exported
+        self.phase_totals.record(self.cost, batch.num_new_tokens, meta.context_lens,
+                                 len(sampling_seqs) + len(prompt_rows), time.perf_counter() - start_time)
+        return sampled, exported, prompt_logprobs
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple[int, int, int]], batch: ScheduledBatch
+                         ) -> dict[int, list[dict[int, float]]]:
+        out: dict[int, list[dict[int, float]]] = {}
+        if rows:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for r, (_, i, target) in enumerate(rows):
+                out.setdefault(i, []).append(logprob_entry(logprobs[r], target, batch.seqs[i].params.prompt_logprobs))
+        return out
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

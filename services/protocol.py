@@ -32,6 +32,7 @@ class PrefillResult:
     prefill_seconds: float  # on the worker, from arrival (queueing included) to the first token
     kv_bytes: int
     worker_id: str
+    prompt_logprobs: list[dict[int, float]] | None = None  # when asked for: entry i is prompt token i + 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     error: str | None = None
     kv_lost: bool = False
+    prompt_logprobs: list[dict[int, float]] | None = None  # with a request's first delta, when asked for
 
     @property
     def is_last(self) -> bool:
@@ -75,8 +77,10 @@ class TokenDelta:
         last = deltas[-1]
         logprobs = None if deltas[0].logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
         failed = next((d for d in deltas if d.error is not None), None)
+        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
         return TokenDelta([t for d in deltas for t in d.token_ids], logprobs, last.finish_reason,
-                          last.num_cached_tokens, failed and failed.error, failed is not None and failed.kv_lost)
+                          last.num_cached_tokens, failed and failed.error, failed is not None and failed.kv_lost,
+                          prompt)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ class StepOutput:
     num_cached_tokens: int
     kv: KVPayload | None = None  # the prompt's KV, for requests added with export_kv=True
     error: BaseException | None = None  # the request failed (its imported KV did not verify); no tokens
+    prompt_logprobs: list[dict[int, float]] | None = None  # with the first output, when asked for
 
 
 @dataclass(slots=True)
@@ -33,3 +34,4 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     kv: KVPayload | None = field(default=None, repr=False)
+    prompt_logprobs: list[dict[int, float]] | None = None  # entry i: prompt token i + 1

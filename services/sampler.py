@@ -55,15 +55,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
     chosen = token_ids.tolist()
     out = []
     for m, seq in enumerate(seqs):
-        lp = None
-        if seq.params.logprobs is not None:
-            row = raw_logprobs[m]
-            lp = {chosen[m]: row[chosen[m]].item()}
-            if seq.params.logprobs > 0:
-                top = torch.topk(row, seq.params.logprobs)
-                lp.update(zip(top.indices.tolist(), top.values.tolist()))
+        lp = None if seq.params.logprobs is None else logprob_entry(raw_logprobs[m], chosen[m], seq.params.logprobs)
         out.append(SampledToken(chosen[m], lp))
     return out
+
+
+def logprob_entry(row: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:
+    """`token_id`'s logprob and the `num_top` most likely alternatives', from a log-softmax row [V]."""
+    entry = {token_id: row[token_id].item()}
+    if num_top > 0:
+        top = torch.topk(row, num_top)
+        entry.update(zip(top.indices.tolist(), top.values.tolist()))
+    return entry
 
 
 def _needs_adjustment(seq: Sequence) -> bool:

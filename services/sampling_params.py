@@ -13,7 +13,9 @@ class SamplingParams:
     `temperature == 0` is greedy. `top_k` of 0 or -1 means off. `seed=None` lets the engine draw
     one; either way sampling is a pure function of (seed, position, logits), so a request resumed
     on another worker continues identically. `logprobs=k` returns the chosen token's logprob plus
-    the k most likely alternatives (k=0: the chosen token only).
+    the k most likely alternatives (k=0: the chosen token only). `prompt_logprobs=k` does the same
+    for every prompt token after the first (each given the tokens before it); such a prompt is
+    computed in full, not served from the prefix cache.
     """
 
     max_tokens: int = 16
@@ -32,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -67,6 +70,8 @@ class SamplingParams:
             raise bad("stop", "must not contain an empty string")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "must be >= 0")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", "must be in [0, 2**63)")
         if any(not math.isfinite(v) for v in self.logit_bias.values()):

@@ -129,7 +129,8 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_tokens - 1
             batch.kv_imports.append(seq)
             return 1
-        cached = bm.find_cached_prefix(seq.token_ids)
+        # A prompt whose logprobs are wanted is computed in full: cached blocks have no logits.
+        cached = [] if seq.wants_prompt_logprobs else bm.find_cached_prefix(seq.token_ids)
         num_cached_tokens = len(cached) * bm.block_size
         num_new = min(seq.num_tokens - num_cached_tokens, budget)
         fresh = -(-(num_cached_tokens + num_new) // bm.block_size) - len(cached)

@@ -41,12 +41,18 @@ class Sequence:
     num_cached_tokens: int = 0  # tokens served by the prefix cache at admission (for metrics/tests)
     block_table: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # entry i: prompt token i + 1
     finish_reason: FinishReason | None = None
     kv_payload: object | None = None  # services.kv_payload.KVPayload awaiting import (decode side)
     kv_check: object | None = None  # concurrent.futures.Future: that payload's checksum pass, still running
     export_kv: bool = False  # prefill side: return the prompt's KV when the prompt is done
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to compute."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

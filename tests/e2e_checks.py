@@ -10,9 +10,11 @@ import time
 
 import httpx
 import openai
+import pytest
 import ray
 
 from services import Engine, SamplingParams
+from services.tokenizer import Tokenizer
 
 # Block size is 16: shorter than one block, exactly one block, many blocks.
 PROMPT_LENGTHS = (5, 16, 100)
@@ -155,3 +157,30 @@ def wait_until_idle(decode_actors: list) -> list:
             return stats
         assert time.monotonic() < deadline, f"KV still held after the client left: {stats}"
         time.sleep(0.2)
+
+
+def check_echo_logprobs_score_the_prompt(url: str, model: str) -> None:
+    """`echo` + `logprobs` (how evaluation harnesses score text): the prompt's tokens with their
+    logprobs (the first has none), then the output's, all equal to the single engine's; streamed,
+    the first chunk carries the prompt's part."""
+    prompt = [1] + [60 + (11 * i) % 400 for i in range(40)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    want = Engine(model=model).generate([prompt], params)[0]
+
+    def named(entries: list[dict[int, float]]) -> list[dict[str, float]]:
+        return [{f"token_id:{k}": v for k, v in lp.items()} for lp in entries]
+
+    body = completion(url, prompt, 4, echo=True, logprobs=2, return_tokens_as_token_ids=True)
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    everything = prompt + want.token_ids
+    assert lp["tokens"] == [f"token_id:{t}" for t in everything]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    expected = [e[t] for t, e in zip(everything[1:], want.prompt_logprobs + want.logprobs)]
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
+    assert lp["top_logprobs"][1:] == [pytest.approx(e, abs=1e-5) for e in named(want.prompt_logprobs + want.logprobs)]
+    tokenizer = Tokenizer.from_folder(model)
+    assert choice["text"] == tokenizer.decode(prompt) + want.text
+    _, chunks = streamed_text(url, prompt, 4, echo=True, logprobs=2, return_tokens_as_token_ids=True)
+    streamed = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]

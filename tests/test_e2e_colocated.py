@@ -50,3 +50,8 @@ def test_workers_report_the_given_ceilings(server):
     _, actors, _ = server
     stats = [ray.get(a.stats.remote()) for a in actors]
     assert [(s.peak_flops, s.peak_bytes_per_second) for s in stats] == [(2e12, 5e10)] * 2
+
+
+def test_echo_with_logprobs_scores_the_prompt(server):
+    url, _, model = server
+    checks.check_echo_logprobs_score_the_prompt(url, model)

@@ -499,3 +499,8 @@ def test_prompts_go_where_their_prefix_is_cached_unless_the_queue_there_costs_mo
         work, cached = send(shared + [10, 11])
         assert (work, cached) == ({first: 0, other: 34}, 0)
         state.pool.workers[first].outstanding -= 1000
+
+
+def test_echo_with_logprobs_scores_the_prompt(tiny_server):
+    url, _, model = tiny_server
+    checks.check_echo_logprobs_score_the_prompt(url, model)
