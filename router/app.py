@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router import completions
 from router.errors import APIError, install_error_handlers
 from router.orchestrator import Orchestrator
-from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.worker_pool import WorkerPool
 from services.metrics import METRICS
 from services.tokenizer import Tokenizer
@@ -66,6 +66,14 @@ def create_app(state: RouterState) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         prep = completions.prepare_chat(state, body, request.state.request_id)
         return await _respond(state, prep, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return completions.tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return completions.detokenize(state, body)
 
     @app.get("/v1/models")
     async def models():

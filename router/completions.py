@@ -17,7 +17,7 @@ from router.choice import (
 )
 from router.choice_runner import run_choices
 from router.errors import APIError
-from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from services.sampling_params import SamplingParams
 
 
@@ -187,3 +187,25 @@ def _sse(obj: dict) -> str:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def tokenize(state, body: TokenizeRequest) -> dict:
+    """vLLM's /tokenize answer: the ids a completion or chat request would feed the model."""
+    _check_model(state, body.model)
+    if body.prompt is not None:
+        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        try:
+            ids = state.tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                              add_generation_prompt=body.add_generation_prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from None
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+
+def detokenize(state, body: DetokenizeRequest) -> dict:
+    _check_model(state, body.model)
+    if any(not 0 <= t < state.vocab_size for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {state.vocab_size})", "tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+

@@ -504,3 +504,28 @@ def test_prompts_go_where_their_prefix_is_cached_unless_the_queue_there_costs_mo
 def test_echo_with_logprobs_scores_the_prompt(tiny_server):
     url, _, model = tiny_server
     checks.check_echo_logprobs_score_the_prompt(url, model)
+
+
+def test_tokenize_and_detokenize(tiny_server):
+    """vLLM's /tokenize and /detokenize: the ids a request would feed the model (a chat's, with its
+    template: the same count as the chat completion's prompt_tokens), and back."""
+    url, _, model = tiny_server
+    tokenizer = Tokenizer.from_folder(model)
+    max_model_len = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    ids = tokenizer.encode("hello world")
+    assert httpx.post(url + "/tokenize", json={"prompt": "hello world"}).json() == \
+        {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+    bare = httpx.post(url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode("hello world", add_special_tokens=False) != ids
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tokenizer.encode_chat(messages)
+    answer = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}).json()
+    assert answer["usage"]["prompt_tokens"] == chat["count"]
+    back = httpx.post(url + "/detokenize", json={"tokens": ids}).json()
+    assert back == {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+    for path, body, status in [("/tokenize", {"prompt": "x", "messages": messages}, 400), ("/tokenize", {}, 400),
+                               ("/detokenize", {"tokens": [-1]}, 400), ("/detokenize", {"tokens": [10**6]}, 400),
+                               ("/tokenize", {"prompt": "x", "model": "other"}, 404)]:
+        refused = httpx.post(url + path, json=body)
+        assert refused.status_code == status and refused.json()["error"]["code"] == status, (body, refused.text)
