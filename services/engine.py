@@ -134,11 +134,9 @@ class Engine:
         if batch.is_empty:
             return []
         sampled, exported, prompt_logprobs = self.runner.run(batch)
-        for i, entries in prompt_logprobs.items():
-            batch.seqs[i].prompt_logprobs += entries
         failed = self._failed_kv_checks(batch.seqs)
         self.num_tokens_processed += sum(batch.num_new_tokens)
-        touched = self.scheduler.update(batch, sampled)
+        touched = self.scheduler.update(batch, sampled, prompt_logprobs)
         outputs = [self._step_output(seq, exported.get(seq.request_id)) for seq in touched
                    if seq.request_id not in failed]
         for request_id, error in failed.items():
@@ -202,7 +200,8 @@ class _Collected:
     def add(self, out: StepOutput) -> bool:
         """Add one step's output; True when a stop string ends the request before the engine does."""
         self.num_cached_tokens = out.num_cached_tokens
-        self.prompt_logprobs = out.prompt_logprobs if out.prompt_logprobs is not None else self.prompt_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.feed(out.new_token_ids, out.finish_reason is not None)
         self.token_ids += out.new_token_ids[: self.text.consumed]
         self.logprobs += (out.new_logprobs or [])[: self.text.consumed]

@@ -153,12 +153,16 @@ class Scheduler:
 
     # -- 3. update ------------------------------------------------------------------------------
 
-    def update(self, batch: ScheduledBatch, sampled: list[SampledToken | None]) -> list[Sequence]:
-        """Advance every scheduled sequence; append sampled tokens; finish and free what is done.
+    def update(self, batch: ScheduledBatch, sampled: list[SampledToken | None],
+               prompt_logprobs: dict[int, list[dict[int, float]]] | None = None) -> list[Sequence]:
+        """Advance every scheduled sequence; append sampled tokens (and the prompt logprobs computed
+        this step, by batch index); finish and free what is done.
 
         Returns the sequences that received a token this step (finished ones included).
         """
         touched: list[Sequence] = []
+        for i, entries in (prompt_logprobs or {}).items():
+            batch.seqs[i].prompt_logprobs += entries
         for i, seq in enumerate(batch.seqs):
             seq.kv_payload = None
             seq.num_computed_tokens += batch.num_new_tokens[i]
