@@ -80,17 +80,10 @@ def completion_logprobs(name: Callable[[int], str], token_ids: list[int], logpro
 def prompt_completion_logprobs(name: Callable[[int], str], prompt_ids: list[int],
                                prompt_logprobs: list[dict[int, float]]) -> dict:
     """The legacy `logprobs` object for an echoed prompt: its first token has none (nothing precedes it)."""
-    tokens = [name(t) for t in prompt_ids]
-    offsets, offset = [], 0
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None] + [lp[t] for t, lp in zip(prompt_ids[1:], prompt_logprobs)],
-        "top_logprobs": [None] + [{name(k): v for k, v in lp.items()} for lp in prompt_logprobs],
-        "text_offset": offsets,
-    }
+    first = name(prompt_ids[0])
+    rest = completion_logprobs(name, prompt_ids[1:], prompt_logprobs, len(first))
+    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 
 
 def chat_logprobs(name: Callable[[int], str], token_ids: list[int], logprobs: list[dict[int, float]],
