@@ -59,6 +59,7 @@ def test_groups_advertise_what_the_router_command_selects():
     assert args.decode_labels.items() <= groups["decode"]["labels"].items()
     assert groups["prefill"]["replicas"] >= args.prefill and groups["decode"]["replicas"] >= args.decode
     assert args.address == "auto" and args.host == "0.0.0.0"
+    assert (args.request_timeout, args.max_pending) == (600.0, 1024)  # a cluster bounds what it accepts
     head = cluster["spec"]["headGroupSpec"]["rayStartParams"]
     assert head["dashboard-host"] == "127.0.0.1" and head["num-cpus"] == "0"
 
