@@ -69,3 +69,16 @@ def test_router_service_exposes_only_the_router_port():
     args = build_parser().parse_args(router_argv(load("raycluster.yaml")))
     assert [p["targetPort"] for p in service["spec"]["ports"]] == [args.port]
     assert service["spec"]["selector"] == {"ray.io/cluster": "pdserve", "ray.io/node-type": "head"}
+
+
+def test_grafana_dashboard_queries_only_series_the_router_exports():
+    import json
+    import re
+
+    from services.metrics import METRICS
+
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"pdserve:[a-z0-9_]+", e)}
+    exported = set(METRICS.registry._names_to_collectors)
+    assert len(dashboard["panels"]) == 12 and used and used <= exported, used - exported
