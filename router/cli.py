@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peak-gbps", type=_positive_float, default=None,
                        help="each worker's memory bandwidth, GB/s, for the gauges (default: measured at start-up)")
     serve.add_argument("--no-pin-cpus", action="store_true", help="do not pin each local worker to its own cores")
+    serve.add_argument("--worker-restarts", type=_non_negative_int, default=3,
+                       help="times Ray starts a dead worker again (it reloads the model)")
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require this Bearer key (default: $PDSERVE_API_KEY; none: open)")
@@ -146,7 +148,7 @@ def serve(args: argparse.Namespace) -> None:
                        num_colocated=args.workers, namespace=args.namespace, prefill_resource=args.prefill_resource,
                        decode_resource=args.decode_resource, prefill_labels=args.prefill_labels,
                        decode_labels=args.decode_labels, engine_options=options, pin_cpus=not args.no_pin_cpus,
-                       detached=args.detached,
+                       detached=args.detached, max_restarts=args.worker_restarts,
                        peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
                        peak_bytes_per_second=None if args.peak_gbps is None else args.peak_gbps * 1e9)
     address = None if args.address is None else args.address

@@ -42,6 +42,9 @@ class ClusterSpec:
     startup_timeout: float = 300.0
     peak_flops: float | None = None  # each worker's ceilings for the efficiency gauges; None: measured
     peak_bytes_per_second: float | None = None
+    # A worker process that dies is started again by Ray, this many times (it reloads the model;
+    # the routers find it answering at their next stats poll). Its streams resume elsewhere meanwhile.
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -49,6 +52,8 @@ class ClusterSpec:
         for name in ("num_prefill", "num_decode", "num_colocated"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         for name in ("peak_flops", "peak_bytes_per_second"):
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):
@@ -128,7 +133,8 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
     actors = []
     for (name, role, resource), cpus in zip(roles, groups):
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        options = dict(name=name, namespace=spec.namespace, num_cpus=0, max_concurrency=1000)
+        options = dict(name=name, namespace=spec.namespace, num_cpus=0, max_concurrency=1000,
+                       max_restarts=spec.max_restarts)
         if spec.labels(role) is not None:
             options["label_selector"] = dict(spec.labels(role))
         else:

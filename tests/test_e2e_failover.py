@@ -163,3 +163,34 @@ def test_a_request_past_the_deadline_is_answered_504_and_aborted(cluster, tiny_p
         while (stats := ray.get(decode.stats.remote())).num_running and time.monotonic() < deadline:
             time.sleep(0.05)
         assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_a_killed_worker_is_started_again_and_serves_again(cluster, tiny_path):
+    """Ray restarts a dead worker (--worker-restarts): it reloads the model, the router finds it at
+    its next stats poll, and the answers are the single engine's again."""
+    import os
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = Engine(model=str(tiny_path)).generate([PROMPT], params)[0].text
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-restart", engine_options=OPTIONS)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with router_server(spec) as (url, actors, state):
+        decode = actors[1]
+        pid = ray.get(decode.__ray_call__.remote(lambda self: os.getpid()))
+        ray.kill(decode, no_restart=False)  # as if the process crashed
+        deadline = time.monotonic() + 90
+        while True:
+            assert time.monotonic() < deadline, "the decode worker was not started again"
+            try:
+                restarted = ray.get(decode.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.2)
+        assert restarted != pid
+        while httpx.get(url + "/health", timeout=10).status_code != 200:  # the next poll finds it
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+        (worker,) = state.pool.role("decode")
+        assert worker.alive and ray.get(decode.stats.remote()).num_tokens_processed == 11  # a fresh engine's
