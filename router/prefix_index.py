@@ -12,9 +12,9 @@ from collections import OrderedDict
 
 
 class PrefixIndex:
-    def __init__(self, block_size: int, capacity: int = 1_000_000) -> None:
+    def __init__(self, block_size: int, capacity: int = 262_144) -> None:
         self.block_size = block_size
-        self.capacity = capacity  # block keys remembered, least recently used dropped first
+        self.capacity = capacity  # block keys remembered (~100 B each), least recently used dropped first
         self._owner: OrderedDict[int, str] = OrderedDict()
 
     def keys(self, token_ids: list[int]) -> list[int]:
