@@ -156,7 +156,9 @@ def test_a_request_past_the_deadline_is_answered_504_and_aborted(cluster, tiny_p
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2]) == {"error": error}
         assert json.loads(events[0])["choices"][0]["text"] is not None  # tokens came first
-        assert METRICS.request_timeouts._value.get() == timeouts + 2
+        several = httpx.post(url + "/v1/completions", json={**body, "n": 2, "seed": 1, "temperature": 0.5}, timeout=30)
+        assert (several.status_code, several.json()) == (504, {"error": error})  # n > 1: every choice stops
+        assert METRICS.request_timeouts._value.get() == timeouts + 3
         short = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 5}, timeout=30)
         assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 5
         deadline = time.monotonic() + 10
