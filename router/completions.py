@@ -36,6 +36,7 @@ class Prepared:
     echo_texts: list[str] | None  # completions `echo`: the prompt text to put before each choice
     num_top_logprobs: int  # chat: top_logprobs
     tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>" (return_tokens_as_token_ids)
+    continuous_usage: bool = False  # usage so far in every chunk (stream_options.continuous_usage_stats)
 
 
 def _check_model(state, model: str | None) -> None:
@@ -83,7 +84,8 @@ def prepare_completion(state, body: CompletionRequest, request_id: str) -> Prepa
     params = _params(state, body, max_tokens, body.logprobs, body.logprobs if body.echo else None)
     return Prepared(request_id, False, state.model_name, prompts, params,
                     body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), echo, 0,
-                    body.return_tokens_as_token_ids)
+                    body.return_tokens_as_token_ids,
+                    bool(body.stream_options and body.stream_options.continuous_usage_stats))
 
 
 def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepared:
@@ -99,13 +101,14 @@ def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepare
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return Prepared(request_id, True, state.model_name, [prompt], _params(state, body, max_tokens, logprobs),
                     body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), None,
-                    body.top_logprobs or 0, body.return_tokens_as_token_ids)
+                    body.top_logprobs or 0, body.return_tokens_as_token_ids,
+                    bool(body.stream_options and body.stream_options.continuous_usage_stats))
 
 
 def usage(prep: Prepared, choices: list[ChoiceState]) -> dict:
     prompt_tokens = sum(len(p) for p in prep.prompts)
     completion = sum(len(c.token_ids) for c in choices)
-    cached = sum(c.num_cached_tokens for c in choices[:: prep.n]) if choices else 0
+    cached = sum(c.num_cached_tokens for c in choices if c.index % prep.n == 0)  # once per prompt
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -170,7 +173,10 @@ async def stream(state, prep: Prepared) -> AsyncIterator[str]:
                 continue  # a held-back partial character or stop-string prefix: nothing to send yet
             body = _choice_body(state, prep, choice, text, update.token_ids, update.logprobs,
                                 update.finish_reason, True, first)
-            yield _sse({**_envelope(prep, created, True), "choices": [body]})
+            chunk = {**_envelope(prep, created, True), "choices": [body]}
+            if prep.continuous_usage:
+                chunk["usage"] = usage(prep, list(seen.values()))
+            yield _sse(chunk)
         if prep.include_usage:
             ordered = [seen[i] for i in sorted(seen)]
             yield _sse({**_envelope(prep, created, True), "choices": [], "usage": usage(prep, ordered)})

@@ -12,6 +12,7 @@ from services.sampling_params import SamplingParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class SamplingFields(BaseModel):

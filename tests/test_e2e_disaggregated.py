@@ -529,3 +529,16 @@ def test_tokenize_and_detokenize(tiny_server):
                                ("/tokenize", {"prompt": "x", "model": "other"}, 404)]:
         refused = httpx.post(url + path, json=body)
         assert refused.status_code == status and refused.json()["error"]["code"] == status, (body, refused.text)
+
+
+def test_continuous_usage_stats_count_the_tokens_so_far(tiny_server):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    url, _, _ = tiny_server
+    prompt = [1, 70, 71, 72, 73]
+    _, chunks = checks.streamed_text(url, prompt, 12, stream_options={"include_usage": True,
+                                                                      "continuous_usage_stats": True})
+    counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counted == sorted(counted) and counted[-1] == 12
+    assert all(c["usage"]["prompt_tokens"] == len(prompt) for c in chunks)
+    assert all(c["usage"]["total_tokens"] == len(prompt) + c["usage"]["completion_tokens"] for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
