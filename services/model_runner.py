@@ -81,8 +81,8 @@ class ModelRunner:
     def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple[int, int, int]], batch: ScheduledBatch
                          ) -> dict[int, list[dict[int, float]]]:
         out: dict[int, list[dict[int, float]]] = {}
-        if rows:
-            logprobs = torch.log_softmax(logits, dim=-1)
+        if rows:  # [rows, V] can be large (up to the step's token budget): normalise in place
+            logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))
             for r, (_, i, target) in enumerate(rows):
                 out.setdefault(i, []).append(logprob_entry(logprobs[r], target, batch.seqs[i].params.prompt_logprobs))
         return out
