@@ -23,18 +23,16 @@ token, and the streams' combined tokens/s. Fresh random prompts per topology (no
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 
 import ray
 
 from benchmarks.model_folders import describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
+from benchmarks.sse_client import run_client_process
 from router.launcher import ClusterSpec, init_local_ray, start_workers, stop_workers
 from services.model_config import ModelConfig
 from tests.cluster_harness import serve_router
@@ -78,11 +76,7 @@ def _client(job: dict) -> dict:
 
 
 def run_client(job: dict) -> dict:
-    code = ("import sys, json; from benchmarks.pd_vs_colocated import _client; "
-            "print(json.dumps(_client(json.load(sys.stdin))))")
-    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), capture_output=True, text=True,
-                          check=True)
-    return json.loads(done.stdout)
+    return run_client_process("benchmarks.pd_vs_colocated", job)
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+from benchmarks.sse_client import run_client_process
 
 OPTIONS = {"num_threads": 1, "max_num_seqs": 128}
 WORDS = ("the quick brown fox jumps over a lazy dog while the scheduler admits requests and the "
@@ -87,10 +86,7 @@ def _client(job: dict) -> dict:
 
 
 def run_client(job: dict) -> dict:
-    code = "import sys, json; from benchmarks.router_overhead import _client; print(json.dumps(_client(json.load(sys.stdin))))"
-    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), capture_output=True, text=True,
-                          check=True)
-    return json.loads(done.stdout)
+    return run_client_process("benchmarks.router_overhead", job)
 
 
 # -- CPU accounting --------------------------------------------------------------------------------

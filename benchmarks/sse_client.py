@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from urllib.parse import urlsplit
 
@@ -63,3 +65,13 @@ class SSEClient:
         if self.writer is not None:
             self.writer.close()
             await self.writer.wait_closed()
+
+
+def run_client_process(module: str, job: dict) -> dict:
+    """`module._client(job)` in a fresh Python process (so the load client never shares the
+    router's GIL or cores' accounting); its JSON result."""
+    code = f"import sys, json; from {module} import _client; print(json.dumps(_client(json.load(sys.stdin))))"
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout)
+

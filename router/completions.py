@@ -83,9 +83,9 @@ def prepare_completion(state, body: CompletionRequest, request_id: str) -> Prepa
     # echo + logprobs scores the prompt too (what evaluation harnesses ask for): prompt logprobs.
     params = _params(state, body, max_tokens, body.logprobs, body.logprobs if body.echo else None)
     return Prepared(request_id, False, state.model_name, prompts, params,
-                    body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), echo, 0,
+                    body.n, body.stream, body.stream_flags.include_usage, echo, 0,
                     body.return_tokens_as_token_ids,
-                    bool(body.stream_options and body.stream_options.continuous_usage_stats))
+                    body.stream_flags.continuous_usage_stats)
 
 
 def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepared:
@@ -100,9 +100,9 @@ def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepare
     _check_length(state, prompt, max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return Prepared(request_id, True, state.model_name, [prompt], _params(state, body, max_tokens, logprobs),
-                    body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), None,
+                    body.n, body.stream, body.stream_flags.include_usage, None,
                     body.top_logprobs or 0, body.return_tokens_as_token_ids,
-                    bool(body.stream_options and body.stream_options.continuous_usage_stats))
+                    body.stream_flags.continuous_usage_stats)
 
 
 def usage(prep: Prepared, choices: list[ChoiceState]) -> dict:

@@ -71,6 +71,11 @@ class SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed with stream: true")
         return value
 
+    @property
+    def stream_flags(self) -> StreamOptions:
+        """The stream options in effect (all off when none were given)."""
+        return self.stream_options or StreamOptions()
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -134,7 +134,7 @@ class Engine:
         if batch.is_empty:
             return []
         sampled, exported, prompt_logprobs = self.runner.run(batch)
-        failed = self._failed_kv_checks(batch.seqs)
+        failed = self._failed_kv_checks(batch.kv_imports)
         self.num_tokens_processed += sum(batch.num_new_tokens)
         touched = self.scheduler.update(batch, sampled, prompt_logprobs)
         outputs = [self._step_output(seq, exported.get(seq.request_id)) for seq in touched
@@ -144,11 +144,11 @@ class Engine:
             outputs.append(StepOutput(request_id, [], None, FinishReason.ABORT.value, 0, 0, error=error))
         return outputs
 
-    def _failed_kv_checks(self, seqs: list[Sequence]) -> dict[str, BaseException]:
+    def _failed_kv_checks(self, imported: list[Sequence]) -> dict[str, BaseException]:
         """Wait for the checksum passes of the KV this step imported (each usually done: it ran
         while the KV was copied); the requests whose check failed, with its error."""
         failed = {}
-        for seq in seqs:
+        for seq in imported:
             if seq.kv_check is not None:
                 error, seq.kv_check = seq.kv_check.exception(), None
                 if error is not None:
