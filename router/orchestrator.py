@@ -175,7 +175,12 @@ class Orchestrator:
 
 def _resumed(request: DecodeRequest, delivered: list[int]) -> DecodeRequest:
     """`request` restarted without KV: a decode worker prefills the prompt plus the tokens the client
-    already has (`delivered`) and continues after them."""
+    already has (`delivered`) and continues after them.
+
+    The restart gets a request id of its own: it may land on the worker that still runs the old
+    attempt (a channel the worker closed), and a step of the old sequence finishing after the
+    new one registered the same id would hand the new stream a token twice."""
+    attempt = f"{request.request_id.split('/resume-')[0]}/resume-{uuid.uuid4().hex[:8]}"
     # The prompt's logprobs went out with the first token; the resumed prefill does not redo them.
-    return DecodeRequest(request.request_id, request.prompt_token_ids, replace(request.params, prompt_logprobs=None),
+    return DecodeRequest(attempt, request.prompt_token_ids, replace(request.params, prompt_logprobs=None),
                          output_token_ids=list(delivered))
