@@ -24,14 +24,20 @@ import torch.nn.functional as F
 from benchmarks.report import environment, format_table, write_results
 
 
-def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Best wall time of `repeats` calls of `fn`, after `warmup` untimed calls."""
-    for _ in range(warmup):
+def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1, device: str = "cpu") -> float:
+    """Best wall time of `repeats` calls of `fn`, after `warmup` untimed calls (on a GPU, each call's
+    kernels are waited for: they run asynchronously)."""
+    def call() -> None:
         fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        call()
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -42,20 +48,22 @@ class ReadProbe:
     bandwidth (bytes/s) of either, best of `repeats` each. Kept alive beside a workload, it re-measures
     the ceiling next to each sample."""
 
-    def __init__(self, num_bytes: int) -> None:
+    def __init__(self, num_bytes: int, device: str = "cpu") -> None:
         numel = num_bytes // 4 // 4096 * 4096
-        self.buffer = torch.ones(numel, dtype=torch.float32)  # filled: every page mapped
+        self.device = device
+        self.buffer = torch.ones(numel, dtype=torch.float32, device=device)  # filled: every page mapped
         self.num_bytes = numel * 4
         self._matrix = self.buffer.view(-1, 4096)
-        self._vector = torch.ones(1, 4096)
+        self._vector = torch.ones(1, 4096, device=device)
 
     def sum_rate(self, repeats: int = 2) -> float:
         with torch.inference_mode():
-            return self.num_bytes / best_time(self.buffer.sum, repeats, warmup=0)
+            return self.num_bytes / best_time(self.buffer.sum, repeats, warmup=0, device=self.device)
 
     def gemv_rate(self, repeats: int = 2) -> float:
         with torch.inference_mode():
-            return self.num_bytes / best_time(lambda: F.linear(self._vector, self._matrix), repeats, warmup=0)
+            return self.num_bytes / best_time(lambda: F.linear(self._vector, self._matrix), repeats, warmup=0,
+                                              device=self.device)
 
     def __call__(self, repeats: int = 2) -> float:
         return max(self.sum_rate(repeats), self.gemv_rate(repeats))
@@ -65,45 +73,48 @@ class MatmulProbe:
     """Two [size, size] matrices of `dtype`; `probe(repeats)` is the FLOP/s of F.linear on them, best
     of `repeats` (bfloat16 needs ~10 back-to-back calls to reach full speed on this CPU)."""
 
-    def __init__(self, dtype: torch.dtype, size: int = 4096) -> None:
+    def __init__(self, dtype: torch.dtype, size: int = 4096, device: str = "cpu") -> None:
         gen = torch.Generator().manual_seed(0)
-        self.a = torch.randn(size, size, generator=gen).to(dtype)
-        self.b = torch.randn(size, size, generator=gen).to(dtype)
+        self.device = device
+        self.a = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
+        self.b = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
         self.flops = 2 * size**3
 
     def __call__(self, repeats: int = 3) -> float:
         with torch.inference_mode():
-            return self.flops / best_time(lambda: F.linear(self.a, self.b), repeats, warmup=0)
+            return self.flops / best_time(lambda: F.linear(self.a, self.b), repeats, warmup=0, device=self.device)
 
 
-def memory_bandwidth(num_bytes: int = 2 * 10**9, repeats: int = 5) -> dict[str, float]:
+def memory_bandwidth(num_bytes: int = 2 * 10**9, repeats: int = 5, device: str = "cpu") -> dict[str, float]:
     """GB/s of a large copy (read + write bytes), a large sum and a large GEMV; `read_gbps` is the
     better of the two reads (the decode ceiling)."""
-    probe = ReadProbe(num_bytes)
-    copy_s = _copy_time(probe.buffer, repeats)
+    probe = ReadProbe(num_bytes, device)
+    copy_s = _copy_time(probe.buffer, repeats, device)
     read_sum, read_gemv = probe.sum_rate(repeats) / 1e9, probe.gemv_rate(repeats) / 1e9
     return {"copy_gbps": 2 * probe.num_bytes / copy_s / 1e9, "read_sum_gbps": read_sum,
             "read_gemv_gbps": read_gemv, "read_gbps": max(read_sum, read_gemv), "buffer_bytes": probe.num_bytes}
 
 
-def _copy_time(src: torch.Tensor, repeats: int) -> float:
+def _copy_time(src: torch.Tensor, repeats: int, device: str) -> float:
     dst = torch.zeros_like(src)
     with torch.inference_mode():
-        return best_time(lambda: dst.copy_(src), repeats)
+        return best_time(lambda: dst.copy_(src), repeats, device=device)
 
 
-def matmul_flops(dtype: torch.dtype, size: int = 4096, repeats: int = 12) -> float:
+def matmul_flops(dtype: torch.dtype, size: int = 4096, repeats: int = 12, device: str = "cpu") -> float:
     """FLOP/s of F.linear on two [size, size] matrices of `dtype` (2 * size^3 FLOPs), best of `repeats`."""
-    return MatmulProbe(dtype, size)(repeats)
+    return MatmulProbe(dtype, size, device)(repeats)
 
 
-def measure(num_bytes: int = 2 * 10**9, size: int = 4096, repeats: int = 5) -> dict:
-    """All ceilings at the current torch thread count (matmuls get 2x `repeats`: bf16 warms up slowly)."""
+def measure(num_bytes: int = 2 * 10**9, size: int = 4096, repeats: int = 5, device: str = "cpu") -> dict:
+    """All ceilings of `device` (on CPU at the current torch thread count; matmuls get 2x `repeats`:
+    bf16 warms up slowly)."""
     return {
-        **memory_bandwidth(num_bytes, repeats),
+        **memory_bandwidth(num_bytes, repeats, device),
+        "device": device,
         "matmul_size": size,
-        "matmul_flops": {"float32": matmul_flops(torch.float32, size, 2 * repeats),
-                         "bfloat16": matmul_flops(torch.bfloat16, size, 2 * repeats)},
+        "matmul_flops": {"float32": matmul_flops(torch.float32, size, 2 * repeats, device),
+                         "bfloat16": matmul_flops(torch.bfloat16, size, 2 * repeats, device)},
     }
 
 
@@ -122,14 +133,15 @@ def table(ceilings: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--bytes", type=float, default=2e9, help="size of each bandwidth buffer in bytes (default 2e9)")
     parser.add_argument("--size", type=int, default=4096, help="square matmul size n (default 4096)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed repetitions (matmuls: twice as many); the best counts (default 5)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ceilings = measure(int(args.bytes), args.size, args.repeats)
-    print(f"threads={torch.get_num_threads()}  torch={torch.__version__}")
+    ceilings = measure(int(args.bytes), args.size, args.repeats, args.device)
+    print(f"device={args.device}  threads={torch.get_num_threads()}  torch={torch.__version__}")
     print(table(ceilings))
     path = write_results("ceilings", {"environment": environment(), "ceilings": ceilings})
     print(f"wrote {path}")

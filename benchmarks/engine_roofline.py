@@ -132,7 +132,7 @@ def measure_dtype(folder, dtype: str, read_probe: ceilings_mod.ReadProbe, args) 
     engine = Engine(model=folder, dtype=dtype, max_num_seqs=max(64, args.batch),
                     max_num_batched_tokens=max(2048, args.prefill_tokens),
                     max_model_len=min(2048 + args.prefill_tokens, ModelConfig.from_folder(folder).max_position_embeddings),
-                    num_threads=args.threads, kv_cache_memory_gb=1.0)
+                    num_threads=args.threads, kv_cache_memory_gb=1.0, device=args.device)
     rng = random.Random(args.seed)
     cost = engine.runner.cost  # the same formulas the live efficiency gauges use (services/roofline.py)
     weights = {"bytes": cost.weight_bytes, "layer_matmul_params": cost.layer_matmul_params,
@@ -145,7 +145,7 @@ def measure_dtype(folder, dtype: str, read_probe: ceilings_mod.ReadProbe, args) 
 
     t = args.prefill_tokens
     flops = cost.prefill_flops([t], [t], 1)
-    mm_probe = ceilings_mod.MatmulProbe(getattr(torch, dtype))
+    mm_probe = ceilings_mod.MatmulProbe(getattr(torch, dtype), device=args.device)
     mm_probe(10)  # bring the matrix units up to speed before the first pairing
     prefill = prefill_samples(engine, rng, args, flops, mm_probe)
     del mm_probe
@@ -194,6 +194,7 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="serving dtypes to measure (default: both)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: the engine's and the ceilings' (default cpu)")
     parser.add_argument("--preset", default="1b", help="model preset (default 1b; must exceed the 300 MB L3)")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding request (default 128)")
     parser.add_argument("--steps", type=int, default=12, help="timed decode steps per batch size (default 12)")
@@ -212,22 +213,22 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     folder = preset_folder(args.preset)
-    ceilings = ceilings_mod.measure(int(args.bandwidth_bytes))
-    print(f"threads={args.threads}; ceilings at the start:")
+    ceilings = ceilings_mod.measure(int(args.bandwidth_bytes), device=args.device)
+    print(f"device={args.device}; threads={args.threads}; ceilings at the start:")
     print(ceilings_mod.table(ceilings), flush=True)
     shape = describe(ModelConfig.from_folder(folder))
-    read_probe = ceilings_mod.ReadProbe(int(args.bandwidth_bytes))
+    read_probe = ceilings_mod.ReadProbe(int(args.bandwidth_bytes), args.device)
     results = []
     for dtype in args.dtype:
         r = measure_dtype(folder, dtype, read_probe, args)
         results.append(r)
         w = r["weights"]
-        print(f"\n{args.preset} ({shape}); dtype={dtype}; threads={args.threads}; weights read per step "
+        print(f"\n{args.preset} ({shape}); device={args.device}; dtype={dtype}; threads={args.threads}; weights read per step "
               f"{w['bytes'] / 1e9:.3f} GB ({(w['layer_matmul_params'] + w['lm_head_params']) / 1e9:.3f}B matmul params); "
               f"KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token")
         print(table(r), flush=True)
     del read_probe
-    ceilings_end = ceilings_mod.measure(int(args.bandwidth_bytes))
+    ceilings_end = ceilings_mod.measure(int(args.bandwidth_bytes), device=args.device)
     print("\nceilings at the end:")
     print(ceilings_mod.table(ceilings_end))
     for r in results:  # against the best full measurement of the run, for reference

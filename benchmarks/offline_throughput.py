@@ -48,10 +48,10 @@ def timed(fn) -> tuple[float, float, object]:
     return elapsed, meter.foreign_cores, result
 
 
-def pdserve_workload(folder, dtype: str, threads: int, warmup: list[list[int]], output_len: int):
+def pdserve_workload(folder, dtype: str, threads: int, warmup: list[list[int]], output_len: int, device: str):
     """A callable `run(prompts)` that runs a workload through one warmed-up Engine; returns output ids."""
     engine = Engine(model=folder, dtype=dtype, num_threads=threads, max_num_seqs=64, max_num_batched_tokens=2048,
-                    max_model_len=len(warmup[0]) + output_len + 16)
+                    max_model_len=len(warmup[0]) + output_len + 16, device=device)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     engine.generate([p[:16] for p in warmup], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 
@@ -63,19 +63,19 @@ def pdserve_workload(folder, dtype: str, threads: int, warmup: list[list[int]], 
     return run
 
 
-def hf_workload(folder, dtype: str, warmup: list[list[int]], output_len: int):
+def hf_workload(folder, dtype: str, warmup: list[list[int]], output_len: int, device: str):
     """A callable `run(prompts, batch_size)` that runs a workload through transformers in static batches."""
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
     pad = model.config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
 
     @torch.inference_mode()
     def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
-        input_ids = torch.tensor(batch)  # equal-length prompts: no padding
+        input_ids = torch.tensor(batch, device=device)  # equal-length prompts: no padding
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
         return out[:, input_ids.shape[1]:].tolist()
@@ -93,8 +93,8 @@ def measure_dtype(folder, dtype: str, vocab_size: int, args) -> dict:
 
     num_tokens = args.num_prompts * args.output_len
     warmup = make_prompts(args.seed + 10_000, 2, args.prompt_len, vocab_size)
-    ours = pdserve_workload(folder, dtype, args.threads, warmup, args.output_len)
-    theirs = hf_workload(folder, dtype, warmup, args.output_len)
+    ours = pdserve_workload(folder, dtype, args.threads, warmup, args.output_len, args.device)
+    theirs = hf_workload(folder, dtype, warmup, args.output_len, args.device)
     by_batch = {}
     for size in args.hf_batch_sizes:
         seconds, foreign, _ = timed(lambda: theirs(prompts_for(0), size))  # noqa: B023 (called at once)
@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                         help="dtypes to measure (default float32)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both systems (default 2)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both systems (default cpu)")
     parser.add_argument("--preset", default="small", help="model preset (default small, ~125M params)")
     parser.add_argument("--num-prompts", type=int, default=32, help="number of prompts (default 32)")
     parser.add_argument("--prompt-len", type=int, default=256, help="prompt length in tokens (default 256)")
@@ -141,7 +142,7 @@ def main() -> None:
     shape = describe(config)
     results, rows = [], []
     for dtype in args.dtype:
-        print(f"{args.preset} ({shape}); dtype={dtype}; threads={args.threads}", flush=True)
+        print(f"{args.preset} ({shape}); device={args.device}; dtype={dtype}; threads={args.threads}", flush=True)
         r = measure_dtype(folder, dtype, config.vocab_size, args)
         results.append(r)
         for size, b in r["hf_by_batch"].items():
@@ -152,7 +153,7 @@ def main() -> None:
                      r["hf_best_tokens_per_s"], f"{foreign:.2f}", "1.00x", "", ""])
         rows.append([dtype, "pdserve Engine.generate", str(args.rounds), r["pdserve_tokens_per_s"], f"{foreign:.2f}",
                      f"{r['ratio']:.2f}x", f">= {TARGET_RATIO:.0f}x", "PASS" if r["pass"] else "FAIL"])
-    print(f"\n{args.preset} ({shape}); threads={args.threads}; {args.num_prompts} prompts x {args.prompt_len} "
+    print(f"\n{args.preset} ({shape}); device={args.device}; threads={args.threads}; {args.num_prompts} prompts x {args.prompt_len} "
           f"tokens -> {args.output_len} greedy tokens each")
     print(format_table(["dtype", "system", "runs", "output tok/s", "foreign cores", "vs best HF", "target", ""],
                        rows))

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peak-gbps", type=_positive_float, default=None,
                        help="each worker's memory bandwidth, GB/s, for the gauges (default: measured at start-up)")
     serve.add_argument("--no-pin-cpus", action="store_true", help="do not pin each local worker to its own cores")
+    serve.add_argument("--gpus-per-worker", type=_gpu_share, default=None,
+                       help="GPUs each worker asks Ray for, 0..1 (default auto: one each where the cluster has "
+                            "GPUs, shared evenly on one local host; none without)")
     serve.add_argument("--worker-restarts", type=_non_negative_int, default=3,
                        help="times Ray starts a dead worker again (it reloads the model)")
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
@@ -111,6 +114,15 @@ def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {text}")
+    return value
+
+
+def _gpu_share(text: str) -> float | None:
+    if text == "auto":
+        return None
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be auto or a number in [0, 1] (one engine uses one GPU), got {text}")
     return value
 
 
@@ -149,6 +161,7 @@ def serve(args: argparse.Namespace) -> None:
                        decode_resource=args.decode_resource, prefill_labels=args.prefill_labels,
                        decode_labels=args.decode_labels, engine_options=options, pin_cpus=not args.no_pin_cpus,
                        detached=args.detached, max_restarts=args.worker_restarts,
+                       gpus_per_worker=args.gpus_per_worker,
                        peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
                        peak_bytes_per_second=None if args.peak_gbps is None else args.peak_gbps * 1e9)
     address = None if args.address is None else args.address

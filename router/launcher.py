@@ -7,6 +7,7 @@ satisfy fails within seconds with a message naming the missing resource, instead
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -45,6 +46,10 @@ class ClusterSpec:
     # A worker process that dies is started again by Ray, this many times (it reloads the model;
     # the routers find it answering at their next stats poll). Its streams resume elsewhere meanwhile.
     max_restarts: int = 3
+    # GPUs each worker asks Ray for (0..1). Ray hides every GPU from an actor that asks for none, so
+    # a worker on a GPU node needs a share to see one. None: one each where the cluster has GPUs
+    # (on one local host, the GPUs shared evenly among the workers), none without.
+    gpus_per_worker: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -54,6 +59,9 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.gpus_per_worker is not None and not 0 <= self.gpus_per_worker <= 1:
+            raise ValueError(f"gpus_per_worker must be in [0, 1] (one engine uses one device), "
+                             f"got {self.gpus_per_worker}")
         for name in ("peak_flops", "peak_bytes_per_second"):
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):
@@ -71,6 +79,19 @@ class ClusterSpec:
                 + [(f"decode-{i}", "decode", self.decode_resource) for i in range(self.num_decode)])
 
 
+    def worker_gpus(self, cluster_gpus: float, local: bool) -> float:
+        """The GPU share each worker asks for (see `gpus_per_worker`)."""
+        if self.gpus_per_worker is not None:
+            return self.gpus_per_worker
+        if cluster_gpus < 1:
+            return 0.0
+        workers = len(self.roles())
+        if not local or workers <= cluster_gpus:
+            return 1.0
+        # A fractional share must fit on one GPU: pack ceil(workers / GPUs) workers onto each.
+        return 1.0 / math.ceil(workers / int(cluster_gpus))
+
+
 def init_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> None:
     """A one-machine Ray instance that advertises both roles; the dashboard stays off."""
     num_workers = len(spec.roles())
@@ -79,10 +100,14 @@ def init_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> None:
              logging_level=logging.WARNING)
 
 
-def validate_topology(spec: ClusterSpec) -> None:
+def validate_topology(spec: ClusterSpec, local: bool = False) -> None:
     """Fail fast when the cluster lacks the resources the workers need, or the model is unusable."""
     ModelConfig.from_folder(spec.model)
     totals = ray.cluster_resources()
+    gpus = spec.worker_gpus(totals.get("GPU", 0), local) * len(spec.roles())
+    if gpus > totals.get("GPU", 0) + 1e-9:
+        raise RuntimeError(f"the workers ask for {gpus:g} GPU(s) in all but the cluster has "
+                           f"{totals.get('GPU', 0):g}; lower --gpus-per-worker or add GPU nodes")
     needed: dict[str, int] = {}
     for _, role, resource in spec.roles():
         labels = spec.labels(role)
@@ -108,12 +133,12 @@ def _cpu_groups(num_workers: int) -> list[tuple[int, ...] | None]:
     return [tuple(cores[i * per : (i + 1) * per]) for i in range(num_workers)]
 
 
-def wait_for_topology(spec: ClusterSpec, timeout: float) -> None:
+def wait_for_topology(spec: ClusterSpec, timeout: float, local: bool = False) -> None:
     """`validate_topology`, retried while nodes join (a Kubernetes head starts before its workers)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return validate_topology(spec)
+            return validate_topology(spec, local)
         except RuntimeError as error:
             if time.monotonic() > deadline:
                 raise
@@ -127,13 +152,14 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
 
-    wait_for_topology(spec, node_wait)
+    wait_for_topology(spec, node_wait, local)
     roles = spec.roles()
+    gpus = spec.worker_gpus(ray.cluster_resources().get("GPU", 0), local)
     groups = _cpu_groups(len(roles)) if (local and spec.pin_cpus) else [None] * len(roles)
     actors = []
     for (name, role, resource), cpus in zip(roles, groups):
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        options = dict(name=name, namespace=spec.namespace, num_cpus=0, max_concurrency=1000,
+        options = dict(name=name, namespace=spec.namespace, num_cpus=0, num_gpus=gpus, max_concurrency=1000,
                        max_restarts=spec.max_restarts)
         if spec.labels(role) is not None:
             options["label_selector"] = dict(spec.labels(role))

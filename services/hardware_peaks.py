@@ -19,8 +19,10 @@ class HardwarePeaks:
     bytes_per_second: float  # memory read bandwidth
 
     @classmethod
-    def measure(cls, dtype: torch.dtype, device: torch.device, matmul_size: int = 1024,
+    def measure(cls, dtype: torch.dtype, device: torch.device, matmul_size: int | None = None,
                 read_bytes: int = 512 * 2**20) -> HardwarePeaks:
+        # A GPU needs a larger product than a CPU core to reach its rate (1024^3 is launch-bound there).
+        matmul_size = matmul_size or (8192 if device.type == "cuda" else 1024)
         a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
         b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
         matmul = _best_seconds(lambda: F.linear(a, b), device, repeats=12)  # bf16 units need a warm-up

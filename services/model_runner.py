@@ -73,6 +73,8 @@ class ModelRunner:
         exported = {s.request_id: self.export_kv(s, s.num_tokens) for s in sampling_seqs if s.export_kv}
         tokens = iter(sample(logits, sampling_seqs, self.config.eos_token_ids) if sampling_seqs else [])
         sampled = [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]
+        if self.device.type == "cuda" and not sampling_seqs:  # nothing sampled waited for the kernels
+            torch.cuda.synchronize(self.device)  # (a middle prefill chunk): its busy time must include them
         self.phase_totals.record(self.cost, batch.num_new_tokens, meta.context_lens,
                                  len(sampling_seqs) + len(prompt_rows), time.perf_counter() - start_time)
         return sampled, exported, prompt_logprobs

@@ -56,7 +56,7 @@ def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks) -> 
         num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
         num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
         num_tokens_processed=e.num_tokens_processed, num_prefix_queries=bm.num_prefix_queries,
-        num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps,
+        num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps, device=str(e.device),
         prefill_flops=phases.prefill_flops, prefill_seconds=phases.prefill_seconds,
         decode_bytes=phases.decode_bytes, decode_seconds=phases.decode_seconds,
         peak_flops=peaks.flops, peak_bytes_per_second=peaks.bytes_per_second, queue_times=queue_times,

@@ -24,10 +24,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def two_node_cluster(num_prefill_slots: int = 2, num_decode_slots: int = 2):
-    """Head (no roles), one node with `pd_prefill`, one with `pd_decode`: KV crosses nodes."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    prefill_node = cluster.add_node(num_cpus=1, resources={"pd_prefill": num_prefill_slots})
-    decode_node = cluster.add_node(num_cpus=1, resources={"pd_decode": num_decode_slots})
+    """Head (no roles), one node with `pd_prefill`, one with `pd_decode`: KV crosses nodes. The
+    simulated nodes advertise no GPU (each would claim the host's own): on a GPU host, set
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 to have the workers use it anyway."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+    prefill_node = cluster.add_node(num_cpus=1, num_gpus=0, resources={"pd_prefill": num_prefill_slots})
+    decode_node = cluster.add_node(num_cpus=1, num_gpus=0, resources={"pd_decode": num_decode_slots})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="pdserve-test", logging_level="WARNING")
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -12,9 +14,9 @@ from router.launcher import ClusterSpec, start_workers, stop_workers, validate_t
 
 @pytest.fixture(scope="module")
 def labelled_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    prefill = cluster.add_node(num_cpus=1, labels={"pdserve/role": "prefill"})
-    decode = cluster.add_node(num_cpus=1, labels={"pdserve/role": "decode"})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+    prefill = cluster.add_node(num_cpus=1, num_gpus=0, labels={"pdserve/role": "prefill"})
+    decode = cluster.add_node(num_cpus=1, num_gpus=0, labels={"pdserve/role": "decode"})
     ray.init(address=cluster.address, namespace="pd-launcher", logging_level="WARNING")
     yield prefill.node_id, decode.node_id
     ray.shutdown()
@@ -34,14 +36,37 @@ def test_missing_labels_fail_fast(labelled_cluster, tiny_path):
         validate_topology(spec)
 
 
+def test_more_gpus_than_the_cluster_has_fail_fast(labelled_cluster, tiny_path):
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-launcher", gpus_per_worker=0.5,
+                       prefill_labels={"pdserve/role": "prefill"}, decode_labels={"pdserve/role": "decode"})
+    with pytest.raises(RuntimeError, match=r"the workers ask for 1 GPU\(s\) in all but the cluster has 0"):
+        validate_topology(spec)
+
+
+@pytest.mark.parametrize(("workers", "cluster_gpus", "local", "share"), [
+    (2, 0, True, 0.0), (2, 0, False, 0.0),  # no GPU: none asked (Ray would refuse to place them)
+    (2, 4, False, 1.0), (5, 1, False, 1.0),  # a cluster: one GPU each (its nodes carry them)
+    (2, 1, True, 0.5), (3, 2, True, 0.5), (5, 2, True, 1 / 3), (2, 4, True, 1.0),  # one host: shared
+])
+def test_gpu_share_of_each_worker(workers, cluster_gpus, local, share):
+    spec = ClusterSpec(model="x", mode="colocated", num_colocated=workers)
+    assert spec.worker_gpus(cluster_gpus, local) == share
+    assert ClusterSpec(model="x", gpus_per_worker=0.25).worker_gpus(cluster_gpus, local) == 0.25
+    with pytest.raises(ValueError, match=r"gpus_per_worker must be in \[0, 1\]"):
+        ClusterSpec(model="x", gpus_per_worker=2)
+
+
 def test_label_selectors_place_each_role_on_its_node(labelled_cluster, tiny_path):
     prefill_node, decode_node = labelled_cluster
     spec = ClusterSpec(model=str(tiny_path), namespace="pd-launcher", prefill_labels={"pdserve/role": "prefill"},
                        decode_labels={"pdserve/role": "decode"}, engine_options={"num_threads": 1})
     actors = start_workers(spec, local=False)
     try:
-        nodes = [ray.get(a.stats.remote()).node_id for a in actors]
-        assert nodes == [prefill_node, decode_node]
+        stats = [ray.get(a.stats.remote()) for a in actors]
+        assert [s.node_id for s in stats] == [prefill_node, decode_node]
+        if not os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):  # (gpu_check.sh sets it)
+            # No GPU in this cluster, so none asked for: Ray hides the host's GPUs from the workers.
+            assert [s.device for s in stats] == ["cpu", "cpu"]
         assert ray.get_actor("prefill-0", namespace="pd-launcher") is not None
     finally:
         stop_workers(actors)
@@ -65,6 +90,7 @@ def test_bad_engine_options_and_model_folder_are_refused(tmp_path):
     ["serve", "--peak-tflops", "0"], ["serve", "--peak-gbps", "-3"], ["serve", "--peak-gbps", "inf"],
     ["serve", "--peak-tflops", "nan"], ["serve", "--max-pending", "0"], ["serve", "--max-pending", "many"],
     ["serve", "--local-prefill-tokens", "-1"], ["serve", "--request-timeout", "0"], ["serve", "--request-timeout", "x"],
+    ["serve", "--gpus-per-worker", "2"], ["serve", "--gpus-per-worker", "-0.5"], ["serve", "--gpus-per-worker", "x"],
 ])
 def test_cli_refuses_bad_flags(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -81,3 +107,5 @@ def test_cli_parses_labels():
     assert args.local_prefill_tokens == 0 and args.request_timeout is None
     assert build_parser().parse_args(["serve", "--request-timeout", "2.5"]).request_timeout == 2.5
     assert build_parser().parse_args(["serve", "--local-prefill-tokens", "64"]).local_prefill_tokens == 64
+    assert args.gpus_per_worker is None and build_parser().parse_args(["serve", "--gpus-per-worker", "auto"]).gpus_per_worker is None
+    assert build_parser().parse_args(["serve", "--gpus-per-worker", "0.5"]).gpus_per_worker == 0.5
