@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+# ../shared beside the checkout; PDSERVE_SHARED points elsewhere (benchmarks/gpu_check.sh carries a copy).
+SHARED = Path(os.environ.get("PDSERVE_SHARED") or Path(__file__).resolve().parents[2] / "shared")
+STORIES = SHARED / "models" / "stories260K"
 
 
 @pytest.fixture(scope="session")

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
+from conftest import STORIES
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from services.detokenizer import IncrementalDetokenizer
 from services.tokenizer import Tokenizer
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CORPUS = ["héllo wörld 日本語 🙂 emojis", "hello world, the quick brown fox jumps over the lazy dog."]
 
