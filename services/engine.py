@@ -34,6 +34,8 @@ class Engine:
         self.model_config = ModelConfig.from_folder(self.config.model)
         self.tokenizer = Tokenizer.from_folder(self.config.model)
         self.device = torch.device(self.config.resolve_device(torch.cuda.is_available()))
+        if self.device.type == "cuda" and self.device.index is None:  # name the GPU it runs on ("cuda:0")
+            self.device = torch.device("cuda", torch.cuda.current_device())
         cpu_has_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         self.dtype = getattr(torch, self.config.resolve_dtype(self.model_config, self.device.type, cpu_has_bf16))
         if self.config.num_threads is not None:

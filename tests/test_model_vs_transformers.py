@@ -94,7 +94,7 @@ def test_prefill_and_decode_logits_match(model_pair):
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
     for chunk in (40, 1, 7):  # one prefill, pure decode, prefill chunks over a cached prefix
-        torch.testing.assert_close(engine_logits(engine, prompt, chunk), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(engine_logits(engine, prompt, chunk).cpu(), want, rtol=1e-4, atol=1e-4)
     # greedy continuation through the whole engine (prefill path, then paged decode)
     ids = torch.tensor([prompt])
     hf_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
