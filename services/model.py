@@ -8,10 +8,12 @@ four matrix products.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
 from services.model_config import ModelConfig
@@ -26,6 +28,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.mv(weight, x[0]).unsqueeze(0)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+# Not cuDNN's attention: it builds a plan per shape on the host (2.3 ms a call on an H200 host), and
+# a decode step's context grows by one every step, so every call missed its cache (measured:
+# benchmarks/step_profile.py, 1b, 48 ms steps of which 37 ms were planning).
+GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,12 +90,13 @@ class LlamaModel:
         Returns float32 logits [M, V].
         """
         h = self.embed[input_ids]  # [N, D]
-        for layer, layer_cache in zip(self.layers, kv_cache):
-            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
-                                    positions, meta, layer_cache)
-            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
-            h = h + linear(F.silu(gate) * up, layer.down)
+        with sdpa_kernel(GPU_ATTENTION_BACKENDS) if h.is_cuda else contextlib.nullcontext():
+            for layer, layer_cache in zip(self.layers, kv_cache):
+                h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
+                                        positions, meta, layer_cache)
+                x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+                gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
+                h = h + linear(F.silu(gate) * up, layer.down)
         h = rms_norm(h[logit_indices], self.final_norm, self.config.rms_norm_eps)  # [M, D]
         return linear(h, self.lm_head).float()
 
