@@ -90,29 +90,28 @@ class LlamaModel:
         Returns float32 logits [M, V].
         """
         h = self.embed[input_ids]  # [N, D]
+        rope = self.rotary.tables(positions, h.dtype)  # shared by every layer
         with sdpa_kernel(GPU_ATTENTION_BACKENDS) if h.is_cuda else contextlib.nullcontext():
             for layer, layer_cache in zip(self.layers, kv_cache):
                 h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
-                                        positions, meta, layer_cache)
+                                        rope, meta, layer_cache)
                 x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
                 gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
                 h = h + linear(F.silu(gate) * up, layer.down)
         h = rms_norm(h[logit_indices], self.final_norm, self.config.rms_norm_eps)  # [M, D]
         return linear(h, self.lm_head).float()
 
-    def _attention(self, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
+    def _attention(self, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata, layer_cache: torch.Tensor) -> torch.Tensor:
         c = self.config
-        num_tokens = x.shape[0]
-        qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, (H + 2K) * Dh]
-        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                             c.num_kv_heads * c.head_dim], dim=-1)
-        q = q.view(num_tokens, c.num_heads, c.head_dim)
-        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
-        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q, k = self.rotary.apply(q, k, positions)
+        num_tokens, h, kv = x.shape[0], c.num_heads, c.num_kv_heads
+        qkv = linear(x, layer.qkv, layer.qkv_bias).view(num_tokens, h + 2 * kv, c.head_dim)  # heads: q | k | v
+        v = qkv[:, h + kv :]
+        if layer.q_norm is None:  # q and k are adjacent heads: rotate them in one pass
+            qk = self.rotary.apply(qkv[:, : h + kv], *rope)
+            q, k = qk[:, :h], qk[:, h:]
+        else:  # (Qwen3) each normalised with its own weight first
+            q = self.rotary.apply(rms_norm(qkv[:, :h], layer.q_norm, c.rms_norm_eps), *rope)
+            k = self.rotary.apply(rms_norm(qkv[:, h : h + kv], layer.k_norm, c.rms_norm_eps), *rope)
         o = paged_attention(q, k, v, layer_cache, meta, self.scale)  # [N, H, Dh]
         return linear(o.reshape(num_tokens, -1), layer.o)

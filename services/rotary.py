@@ -29,7 +29,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables, indexed by absolute position."""
+    """Precomputed cos/sin tables, indexed by absolute position.
+
+    HF rotates as x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1). Here the sign
+    is folded into the table (sin_signed = cat(-sin1, sin2)) and the halves swapped with one roll:
+    cat(x2, x1) * sin_signed has the same bits (a product's sign is exact), in two kernels fewer.
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -37,15 +42,14 @@ class RotaryEmbedding:
         freqs = torch.outer(positions, inv_freq)  # [P, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh], HF's half-split layout
         self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [N, H, Dh], k: [N, K, Dh], positions: [N]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [N, 1, Dh]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for `positions` [N], as [N, 1, Dh] in `dtype`: once per forward,
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, Dh] (queries and keys alike, or both at once) -> rotated, a new tensor."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
