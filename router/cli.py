@@ -91,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require this Bearer key (default: $PDSERVE_API_KEY; none: open)")
-    serve.add_argument("--local-prefill-tokens", type=_non_negative_int, default=0,
+    serve.add_argument("--local-prefill-tokens", type=_local_prefill, default=0,
                        help="disaggregated: prompts of at most this many tokens are prefilled by their decode worker "
-                            "(no KV hand-off; 0: never)")
+                            "(no KV hand-off; 0: never); auto: a cost model decides per request")
     serve.add_argument("--request-timeout", type=_positive_float, default=None,
                        help="seconds a completion may take; past it the request is aborted and answered 504 "
                             "(a stream ends with a 504 error event); default: no limit")
@@ -115,6 +115,10 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {text}")
     return value
+
+
+def _local_prefill(text: str) -> int | None:
+    return None if text == "auto" else _non_negative_int(text)
 
 
 def _gpu_share(text: str) -> float | None:

@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from router.decode_channel import ChannelClosed, DecodeChannel, KVLost, WorkerFailed, WorkerLost
+from router.prefill_placement import PrefillPlacement
 from router.prefix_index import PrefixIndex
 from router.worker_pool import WorkerHandle, WorkerPool
 from services.kv_transport import KVTransport, ObjectStoreTransport
@@ -39,14 +40,14 @@ log = logging.getLogger("pdserve.router")
 
 class Orchestrator:
     def __init__(self, pool: WorkerPool, mode: str, transport: KVTransport | None = None,
-                 local_prefill_tokens: int = 0, block_size: int = 16) -> None:
+                 local_prefill_tokens: int | None = 0, block_size: int = 16) -> None:
+        """`local_prefill_tokens`: prompts up to this long prefill on their decode worker; None: a
+        cost model decides per request (`prefill_placement.py`)."""
         assert mode in ("disaggregated", "colocated")
         self.pool = pool
         self.mode = mode
         self.transport = transport or ObjectStoreTransport()
-        # Conditional disaggregation: a prompt this short costs the decode worker less to prefill
-        # than a KV hand-off costs the request (a hop, a transfer, a copy), so it stays there.
-        self.local_prefill_tokens = local_prefill_tokens
+        self.placement = PrefillPlacement(local_prefill_tokens)  # conditional disaggregation
         self.prefixes = PrefixIndex(block_size)  # prompts go where their prefix is likely cached
         self.router_id = uuid.uuid4().hex
         self.channels: dict[str, DecodeChannel] = {}
@@ -58,10 +59,11 @@ class Orchestrator:
         if params.seed is None:  # chosen here, so that a resumed stream samples what it would have
             params = replace(params, seed=secrets.randbits(63))
         request = DecodeRequest(request_id, prompt_token_ids, params)
-        local = self.mode == "colocated" or len(prompt_token_ids) <= self.local_prefill_tokens
+        keys = self.prefixes.keys(prompt_token_ids) if self.mode == "disaggregated" else []
+        local = self.mode == "colocated" or self._prefill_locally(len(prompt_token_ids), keys)
         if local and self.mode == "disaggregated":
             METRICS.local_prefills.inc()
-        prefilled = None if local else await self._prefill(request)
+        prefilled = None if local else await self._prefill(request, keys)
         if prefilled is None:  # colocated, short, or no prefill worker left: a decode worker prefills
             async for delta in self._decode_anywhere(request, None):
                 yield delta
@@ -87,11 +89,16 @@ class Orchestrator:
         async for delta in self._decode_anywhere(request, kv):
             yield delta
 
-    async def _prefill(self, request: DecodeRequest) -> tuple[PrefillResult, object] | None:
+    def _prefill_locally(self, prompt_tokens: int, keys: list) -> bool:
+        cached = self.prefixes.cached_tokens(keys)
+        prefill = self.pool.best("prefill", cached)
+        return self.placement.local(prompt_tokens, prefill, cached.get(prefill.name, 0) if prefill else 0,
+                                    self.pool.best("decode"), self.pool.kv_bytes_per_second)
+
+    async def _prefill(self, request: DecodeRequest, keys: list) -> tuple[PrefillResult, object] | None:
         """The prefill's metadata and its call's stream (whose next item is the KV), from the least
         loaded prefill worker; one that dies is marked so and the next one tried. None when no
         prefill worker is left (the caller lets a decode worker prefill)."""
-        keys = self.prefixes.keys(request.prompt_token_ids)
         for _ in range(self.max_failovers + 1):
             if not self.pool.role("prefill"):
                 break
@@ -103,7 +110,11 @@ class Orchestrator:
                 try:
                     # `__anext__` has already fetched the metadata into this process, so `ray.get`
                     # returns at once (an `await` would add a thread hop to the time to first token).
-                    return ray.get(await prefill.__anext__()), prefill
+                    sent = time.perf_counter()
+                    meta: PrefillResult = ray.get(await prefill.__anext__())
+                    self.placement.observe_prefill(time.perf_counter() - sent, meta.prefill_seconds, meta.kv_bytes,
+                                                   len(request.prompt_token_ids))
+                    return meta, prefill
                 except RayActorError as error:
                     worker.alive = False  # until a stats poll finds it answering again
                     log.warning("prefill of %s failed on %s: %s", request.request_id, worker.name, error)

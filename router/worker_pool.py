@@ -28,12 +28,16 @@ class WorkerHandle:
     outstanding: int = 0  # prompt tokens (prefill) or sequences (decode) in flight from this router
     free_kv_blocks: int = 0
     alive: bool = True
+    # From its stats: prompt tokens it computes per busy second (prefill workers), its matmul ceiling.
+    prefill_tokens_per_second: float = 0.0
+    peak_flops: float = 0.0
 
 
 class WorkerPool:
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self.workers: dict[str, WorkerHandle] = {}
+        self.kv_bytes_per_second: float | None = None  # the decode workers' KV fetches, running average
 
     def discover(self) -> None:
         """Attach to every named pdserve worker in the namespace."""
@@ -47,19 +51,24 @@ class WorkerPool:
     def role(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role == role and w.alive]
 
+    def best(self, role: str, cached: dict[str, int] | None = None) -> WorkerHandle | None:
+        """The live worker of `role` that `claim` would pick now, or None."""
+        candidates = self.role(role)
+        if not candidates:
+            return None
+        if role == "decode":
+            return min(candidates, key=lambda w: (w.outstanding, -w.free_kv_blocks))
+        cached = cached or {}
+        return min(candidates, key=lambda w: w.outstanding - cached.get(w.name, 0))
+
     @contextlib.contextmanager
     def claim(self, role: str, load: int, cached: dict[str, int] | None = None) -> Iterator[WorkerHandle]:
         """The least loaded live worker of `role`, charged `load` until the block exits. For prefill,
         `cached` (tokens of this prompt a worker likely has cached) lowers that worker's cost: the
         choice minimizes queued tokens plus the tokens it must compute."""
-        candidates = self.role(role)
-        if not candidates:
+        worker = self.best(role, cached)
+        if worker is None:
             raise APIError(503, f"no {role} worker is alive", retry_after=1)
-        if role == "decode":
-            worker = min(candidates, key=lambda w: (w.outstanding, -w.free_kv_blocks))
-        else:
-            cached = cached or {}
-            worker = min(candidates, key=lambda w: w.outstanding - cached.get(w.name, 0))
         worker.outstanding += load
         try:
             yield worker
@@ -78,7 +87,13 @@ class WorkerPool:
                     log.warning("worker %s is not answering", worker.name)
                 worker.alive = False
                 return None
-            worker.free_kv_blocks, worker.alive = stats.num_free_kv_blocks, True
+            worker.free_kv_blocks, worker.alive, worker.peak_flops = stats.num_free_kv_blocks, True, stats.peak_flops
+            if worker.role == "prefill" and stats.prefill_seconds > 0:
+                worker.prefill_tokens_per_second = stats.num_tokens_processed / stats.prefill_seconds
+            for seconds, num_bytes in stats.kv_transfers:
+                rate = num_bytes / max(seconds, 1e-6)
+                old = self.kv_bytes_per_second
+                self.kv_bytes_per_second = rate if old is None else 0.8 * old + 0.2 * rate
             return stats
 
         return [s for s in await asyncio.gather(*(one(w) for w in self.workers.values())) if s is not None]

@@ -412,6 +412,44 @@ def test_short_prompts_prefill_on_their_decode_worker(cluster, tiny_path):
                 assert METRICS.local_prefills._value.get() == local
 
 
+def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_path):
+    """--local-prefill-tokens auto: the first prompt goes to the prefill worker (nothing measured yet);
+    once the router has measured the hop, the KV hand-off and the prefill rate, a prompt for an idle
+    decode worker stays there (it stalls no stream, and saves the hop and the hand-off). Both answers
+    are the single engine's. (Which way a busy worker goes is unit-tested: it depends on timings.)"""
+    import time
+
+    from services import Engine
+    from services.metrics import METRICS
+
+    # Equal ceilings given, so the model's decode-side prefill rate is exactly the measured one.
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-auto", engine_options=OPTIONS, peak_flops=1e11,
+                       peak_bytes_per_second=1e10)
+    engine = Engine(model=str(tiny_path))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with router_server(spec, local_prefill_tokens=None) as (url, actors, state):
+        prefill, decode = actors
+        pool, placement = state.pool, state.orchestrator.placement
+        first, second = [1] + list(range(40, 100)), [1] + list(range(140, 200))
+        local = METRICS.local_prefills._value.get()
+        text, _ = checks.streamed_text(url, first, 12)
+        assert text == engine.generate([first], params)[0].text
+        assert placement.hop_seconds is not None and METRICS.local_prefills._value.get() == local  # it went remote
+        # (No stats() call of ours until the router has polled: a report hands its KV transfer
+        # samples to whoever asks first.)
+        deadline = time.monotonic() + 10
+        while not (pool.kv_bytes_per_second and pool.best("prefill").prefill_tokens_per_second
+                   and not any(w.outstanding for w in pool.workers.values())):
+            assert time.monotonic() < deadline, "the router never measured the rates"
+            time.sleep(0.1)
+        before = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
+        text, _ = checks.streamed_text(url, second, 12)
+        assert text == engine.generate([second], params)[0].text
+        after = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
+        assert (after[prefill] - before[prefill], after[decode] - before[decode]) == (0, len(second) + 11)
+        assert METRICS.local_prefills._value.get() == local + 1
+
+
 def test_two_routers_share_the_named_workers(tiny_server):
     """A second router attaches to the running workers by name: streams through both routers at
     once are each the single engine's, the decode worker keeps one channel per router, and when

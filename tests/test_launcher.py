@@ -90,7 +90,7 @@ def test_bad_engine_options_and_model_folder_are_refused(tmp_path):
     ["serve", "--peak-tflops", "0"], ["serve", "--peak-gbps", "-3"], ["serve", "--peak-gbps", "inf"],
     ["serve", "--peak-tflops", "nan"], ["serve", "--max-pending", "0"], ["serve", "--max-pending", "many"],
     ["serve", "--local-prefill-tokens", "-1"], ["serve", "--request-timeout", "0"], ["serve", "--request-timeout", "x"],
-    ["serve", "--gpus-per-worker", "2"], ["serve", "--gpus-per-worker", "-0.5"], ["serve", "--gpus-per-worker", "x"],
+    ["serve", "--local-prefill-tokens", "some"], ["serve", "--gpus-per-worker", "2"], ["serve", "--gpus-per-worker", "-0.5"], ["serve", "--gpus-per-worker", "x"],
 ])
 def test_cli_refuses_bad_flags(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -107,5 +107,6 @@ def test_cli_parses_labels():
     assert args.local_prefill_tokens == 0 and args.request_timeout is None
     assert build_parser().parse_args(["serve", "--request-timeout", "2.5"]).request_timeout == 2.5
     assert build_parser().parse_args(["serve", "--local-prefill-tokens", "64"]).local_prefill_tokens == 64
+    assert build_parser().parse_args(["serve", "--local-prefill-tokens", "auto"]).local_prefill_tokens is None
     assert args.gpus_per_worker is None and build_parser().parse_args(["serve", "--gpus-per-worker", "auto"]).gpus_per_worker is None
     assert build_parser().parse_args(["serve", "--gpus-per-worker", "0.5"]).gpus_per_worker == 0.5
