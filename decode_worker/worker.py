@@ -20,6 +20,7 @@ from decode_worker.output_channel import OutputChannel
 from services.errors import KVTransferError
 from services.kv_transport import TRANSPORTS
 from services.protocol import DecodeRequest, WorkerStats
+from services.sample_log import SampleLog
 from services.scheduler import SampledToken
 from services.worker_runtime import WorkerSpec, hardware_peaks, start_engine, worker_stats
 
@@ -30,7 +31,8 @@ class DecodeWorker:
         self.engine = start_engine(spec)
         self.peaks = hardware_peaks(spec, self.engine)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        self.kv_transfers: list[tuple[float, int]] = []  # (seconds, bytes) since the last drain
+        self.kv_transfers = SampleLog()  # (seconds, bytes) of each KV fetched
+        self.queue_log = SampleLog()
         self.transport = TRANSPORTS[spec.kv_transport]()
         self.kv_fetch_failures = 0  # counted on the event loop
         self.kv_check_failures = 0  # counted on the checker thread (one writer each: no lock)
@@ -104,7 +106,7 @@ class DecodeWorker:
         try:
             start = time.perf_counter()
             kv = await self.transport.fetch(kv_handle)
-            self.kv_transfers.append((time.perf_counter() - start, kv.num_bytes))
+            self.kv_transfers.extend([(time.perf_counter() - start, kv.num_bytes)])
             return kv
         except Exception as error:  # e.g. the object died with the prefill node that held it
             self.kv_fetch_failures += 1
@@ -152,12 +154,11 @@ class DecodeWorker:
     def ping(self) -> str:
         return self.spec.worker_id
 
-    def stats(self) -> WorkerStats:
-        """Counters, plus the KV transfers seen since the last call (the caller records them)."""
-        transfers, self.kv_transfers = tuple(self.kv_transfers), []
-        stats = worker_stats(self.spec, self.engine, self.node_id, self.peaks)
+    def stats(self, reader: str = "") -> WorkerStats:
+        """Counters, and the samples (KV transfers, queue times) `reader` (a router's id) has not had yet."""
+        stats = worker_stats(self.spec, self.engine, self.node_id, self.peaks, self.queue_log, reader)
         failures = self.kv_fetch_failures + self.kv_check_failures
-        return dataclasses.replace(stats, kv_transfers=transfers, kv_transfer_failures=failures)
+        return dataclasses.replace(stats, kv_transfers=self.kv_transfers.take(reader), kv_transfer_failures=failures)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

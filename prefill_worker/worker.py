@@ -17,6 +17,7 @@ import ray
 
 from services.kv_payload import KVPayload
 from services.protocol import PrefillRequest, PrefillResult, WorkerStats
+from services.sample_log import SampleLog
 from services.worker_runtime import WorkerSpec, hardware_peaks, start_engine, worker_stats
 
 
@@ -26,6 +27,7 @@ class PrefillWorker:
         self.engine = start_engine(spec)
         self.peaks = hardware_peaks(spec, self.engine)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        self.queue_log = SampleLog()
 
     async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillResult | KVPayload]:
         """Prefill the prompt; yields the PrefillResult, then the KVPayload."""
@@ -59,8 +61,9 @@ class PrefillWorker:
     def ping(self) -> str:
         return self.spec.worker_id
 
-    def stats(self) -> WorkerStats:
-        return worker_stats(self.spec, self.engine, self.node_id, self.peaks)
+    def stats(self, reader: str = "") -> WorkerStats:
+        """Counters, and the samples `reader` (a router's id) has not had yet."""
+        return worker_stats(self.spec, self.engine, self.node_id, self.peaks, self.queue_log, reader)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class WorkerPool:
         self.namespace = namespace
         self.workers: dict[str, WorkerHandle] = {}
         self.kv_bytes_per_second: float | None = None  # the decode workers' KV fetches, running average
+        self.reader_id = uuid.uuid4().hex  # each router gets every worker sample once, whoever else polls
 
     def discover(self) -> None:
         """Attach to every named pdserve worker in the namespace."""
@@ -81,7 +83,7 @@ class WorkerPool:
         queue times) gathered since the previous one, so each must be recorded."""
         async def one(worker: WorkerHandle):
             try:
-                stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout)
+                stats = await asyncio.wait_for(worker.actor.stats.remote(self.reader_id), timeout)
             except Exception:  # a dead actor, a timeout: either way it cannot take requests now
                 if worker.alive:
                     log.warning("worker %s is not answering", worker.name)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.async_engine import AsyncEngine
 from services.protocol import WorkerStats
+from services.sample_log import SampleLog
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,16 @@ def hardware_peaks(spec: WorkerSpec, engine: AsyncEngine):
     return HardwarePeaks(spec.peak_flops or measured.flops, spec.peak_bytes_per_second or measured.bytes_per_second)
 
 
-def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks) -> WorkerStats:
+def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks, queue_log: SampleLog,
+                 reader: str) -> WorkerStats:
+    """Counters and ceilings, and the queue times `reader` has not had yet (from `queue_log`)."""
     e = engine.engine
     bm = e.block_manager
     phases = e.runner.phase_totals
     # Swapped, not cleared: the engine thread may be appending meanwhile.
     taken, e.scheduler.queue_times = e.scheduler.queue_times, []
-    queue_times = tuple(taken)
+    queue_log.extend(taken)
+    queue_times = queue_log.take(reader)
     return WorkerStats(
         worker_id=spec.worker_id, role=spec.role, node_id=node_id,
         num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),

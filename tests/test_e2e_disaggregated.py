@@ -65,6 +65,21 @@ def test_kv_crosses_nodes_with_its_checksum_and_is_freed_with_the_reference(tiny
     assert stats.kv_transfer_failures == 0
 
 
+def test_every_reader_of_a_worker_gets_its_kv_transfer_samples(tiny_server):
+    """Several routers poll one decode worker; each must see every KV transfer (a report used to
+    hand its samples to whichever caller asked first)."""
+    url, actors, _ = tiny_server
+    decode = actors[1]
+    for reader in ("router-a", "router-b"):
+        ray.get(decode.stats.remote(reader))  # both registered, nothing pending for either
+    prompt = [1] + [7 + i % 300 for i in range(700)]
+    checks.completion(url, prompt, 2)
+    seen = [ray.get(decode.stats.remote(reader)).kv_transfers for reader in ("router-a", "router-b")]
+    assert len(seen[0]) == 1 and seen[0] == seen[1]  # the router's own poller read it too
+    assert seen[0][0][1] == 4 * 2 * len(prompt) * 2 * 16 * 4  # float32 KV of the tiny preset, in bytes
+    assert [ray.get(decode.stats.remote(reader)).kv_transfers for reader in ("router-a", "router-b")] == [(), ()]
+
+
 def direct_prefill(prefill_actor, request: PrefillRequest):
     """Call a prefill worker as the router does: (metadata, KV reference)."""
     stream = prefill_actor.prefill.remote(request)
@@ -435,8 +450,6 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
         text, _ = checks.streamed_text(url, first, 12)
         assert text == engine.generate([first], params)[0].text
         assert placement.hop_seconds is not None and METRICS.local_prefills._value.get() == local  # it went remote
-        # (No stats() call of ours until the router has polled: a report hands its KV transfer
-        # samples to whoever asks first.)
         deadline = time.monotonic() + 10
         while not (pool.kv_bytes_per_second and pool.best("prefill").prefill_tokens_per_second
                    and not any(w.outstanding for w in pool.workers.values())):

@@ -81,7 +81,7 @@ def test_the_pool_measures_prefill_rates_and_kv_transfers():
             self.stats = self
             self.report = report
 
-        def remote(self):
+        def remote(self, reader: str):
             async def answer() -> WorkerStats:
                 return self.report
             return answer()
