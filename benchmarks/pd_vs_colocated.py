@@ -8,7 +8,9 @@ prefill; what crosses over is the KV copy into the decode worker's pool.
 Method. One local Ray instance on this host; each topology in turn gets the same two worker
 processes, each pinned to its own core(s) with one torch thread, behind the same router (in this
 process), driven by the same client (its own process, `benchmarks.sse_client`):
-  disaggregated: 1 prefill + 1 decode worker;   colocated: 2 workers that each prefill and decode.
+  disaggregated: 1 prefill + 1 decode worker;   colocated: 2 workers that each prefill and decode;
+  disaggregated, auto: the first, with the router's cost model choosing per prompt whether its decode
+  worker prefills it (`--local-prefill-tokens auto`; measured after the warm-up).
 Workload: `--streams` streams (`--stream-prompt-tokens`-token prompts, `--stream-tokens` output
 tokens, EOS ignored) start together; from `--long-start` s on, `--long-prompts` requests of
 `--long-prompt-tokens` tokens (`--long-output` tokens out) arrive one every `--long-interval` s.
@@ -34,6 +36,7 @@ from benchmarks.model_folders import describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
 from benchmarks.sse_client import run_client_process
 from router.launcher import ClusterSpec, init_local_ray, start_workers, stop_workers
+from services.metrics import METRICS
 from services.model_config import ModelConfig
 from tests.cluster_harness import serve_router
 
@@ -54,7 +57,7 @@ def _client(job: dict) -> dict:
                 "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0}
         got = await client.post_stream("/v1/completions", body, f"s{i}", arrivals)
         await client.close()
-        return {"arrivals": arrivals, "tokens": got["usage"]["completion_tokens"]}
+        return {"arrivals": arrivals, "tokens": got["usage"]["completion_tokens"], "ttft": got["first"] - got["sent"]}
 
     async def long(i: int, prompt: list[int]) -> float:
         await asyncio.sleep(job["long_start"] + i * job["long_interval"])
@@ -90,10 +93,20 @@ def summarize(out: dict) -> dict:
     firsts = [s["arrivals"][0] for s in out["streams"]]
     tokens = sum(s["tokens"] for s in out["streams"])
     ttft = out["long_ttft_s"]
-    return {"itl_p50_s": quantile(gaps, 0.5), "itl_p90_s": quantile(gaps, 0.9), "itl_p99_s": quantile(gaps, 0.99),
+    return {"stream_ttft_p50_s": statistics.median(s["ttft"] for s in out["streams"]),
+            "stream_ttft_max_s": max(s["ttft"] for s in out["streams"]),"itl_p50_s": quantile(gaps, 0.5), "itl_p90_s": quantile(gaps, 0.9), "itl_p99_s": quantile(gaps, 0.99),
             "itl_max_s": max(gaps), "num_gaps": len(gaps), "long_ttft_p50_s": statistics.median(ttft),
             "long_ttft_max_s": max(ttft), "stream_tokens": tokens,
             "stream_tokens_per_s": tokens / (max(ends) - min(firsts))}
+
+
+def _wait_for_rates(pool, timeout: float = 10.0) -> None:
+    """Until the router has polled the rates the cost model needs (a no-op for the other modes)."""
+    deadline = time.monotonic() + timeout
+    while pool.role("prefill") and not (pool.kv_bytes_per_second and pool.best("prefill").prefill_tokens_per_second):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the router measured no prefill rate or KV transfer after the warm-up")
+        time.sleep(0.1)
 
 
 def main() -> None:
@@ -117,24 +130,28 @@ def main() -> None:
     def prompts(count: int, length: int) -> list[list[int]]:
         return [[rng.randrange(4, config.vocab_size) for _ in range(length)] for _ in range(count)]
 
-    topologies = {"disaggregated": dict(mode="disaggregated", num_prefill=1, num_decode=1),
-                  "colocated": dict(mode="colocated", num_colocated=2)}
+    disaggregated = dict(mode="disaggregated", num_prefill=1, num_decode=1)
+    topologies = {"disaggregated": (disaggregated, 0), "colocated": (dict(mode="colocated", num_colocated=2), 0),
+                  "disaggregated, auto": (disaggregated, None)}
     results = {}
     init_local_ray(ClusterSpec(model=folder, mode="colocated", num_colocated=2), num_cpus=os.cpu_count())
     try:
-        for name, shape in topologies.items():
-            spec = ClusterSpec(model=folder, namespace=f"pd-bench-{name}", engine_options=OPTIONS, **shape)
+        for i, (name, (shape, local_prefill)) in enumerate(topologies.items()):
+            spec = ClusterSpec(model=folder, namespace=f"pd-bench-{i}", engine_options=OPTIONS, **shape)
             actors = start_workers(spec, local=True)
             try:
-                with serve_router(spec) as (url, _):
+                with serve_router(spec, local_prefill_tokens=local_prefill) as (url, state):
                     warm = {"url": url, "stream_prompts": prompts(2, 8), "long_prompts": prompts(1, 64),
                             "stream_tokens": 4, "long_output": 2, "long_start": 0.0, "long_interval": 0.0}
                     run_client(warm)
+                    _wait_for_rates(state.pool)
+                    local_before = METRICS.local_prefills._value.get()
                     job = {"url": url, "stream_prompts": prompts(args.streams, args.stream_prompt_tokens),
                            "long_prompts": prompts(args.long_prompts, args.long_prompt_tokens),
                            "stream_tokens": args.stream_tokens, "long_output": args.long_output,
                            "long_start": args.long_start, "long_interval": args.long_interval}
                     results[name] = summarize(run_client(job))
+                    results[name]["local_prefills"] = int(METRICS.local_prefills._value.get() - local_before)
             finally:
                 stop_workers(actors)
     finally:
@@ -146,10 +163,11 @@ def main() -> None:
           f"while {args.long_prompts} prompts of {args.long_prompt_tokens} tokens arrive, one every "
           f"{args.long_interval} s\n")
     rows = [[name, 1e3 * r["itl_p50_s"], 1e3 * r["itl_p90_s"], 1e3 * r["itl_p99_s"], 1e3 * r["itl_max_s"],
-             1e3 * r["long_ttft_p50_s"], 1e3 * r["long_ttft_max_s"], r["stream_tokens_per_s"]]
+             1e3 * r["stream_ttft_p50_s"], 1e3 * r["long_ttft_p50_s"], 1e3 * r["long_ttft_max_s"],
+             r["stream_tokens_per_s"], r["local_prefills"] if name != "colocated" else "all"]
             for name, r in results.items()]
-    print(format_table(["topology", "stream gap p50 ms", "p90", "p99", "max", "long TTFT p50 ms", "max",
-                        "stream tok/s"], rows))
+    print(format_table(["topology", "stream gap p50 ms", "p90", "p99", "max", "stream TTFT p50 ms",
+                        "long TTFT p50 ms", "max", "stream tok/s", "local prefills"], rows))
     d, c = results["disaggregated"], results["colocated"]
     print(f"\ncolocated / disaggregated: stream gap p99 {c['itl_p99_s'] / d['itl_p99_s']:.1f}x, "
           f"max {c['itl_max_s'] / d['itl_max_s']:.1f}x; long-prompt TTFT p50 "
