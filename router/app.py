@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import completions
+from router.choice_runner import refuse_past_deadline
 from router.errors import APIError, install_error_handlers
 from router.orchestrator import Orchestrator
 from router.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -154,6 +155,7 @@ class BoundaryMiddleware:
 
 
 async def _respond(state: RouterState, prep: completions.Prepared, request: Request):
+    refuse_past_deadline(state, prep)  # before a stream's headers: the refusal is its HTTP status
     if prep.stream:  # Starlette cancels the stream when the client goes; that aborts the request
         # Start the request now: the prefill runs while Starlette sends the response headers.
         events = completions.stream(state, prep)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -44,6 +45,21 @@ async def run_choices(state, prep: Prepared) -> AsyncIterator[tuple[ChoiceState,
             METRICS.generation_tokens.inc(len(c.token_ids))
             if c.finish_reason is not None:
                 METRICS.request_success.labels(c.finish_reason).inc()
+
+
+def refuse_past_deadline(state, prep: Prepared) -> None:
+    """Honest, fast refusal: with a request deadline, a request that the prefill queue would not
+    reach before it passes is answered 503 + Retry-After now, not 504 after the wait. Only where the
+    router has measured the queue's rate (disaggregated, after a prefill and a stats poll); the
+    estimate is the shortest prompt's time to its first token, a lower bound of the request's."""
+    if state.request_timeout is None or state.orchestrator.mode != "disaggregated":
+        return
+    wait = state.orchestrator.placement.first_token_seconds(min(len(p) for p in prep.prompts),
+                                                             state.pool.best("prefill"))
+    if wait is not None and wait > state.request_timeout:
+        METRICS.requests_refused.labels(reason="deadline").inc()
+        raise APIError(503, f"the prefill queue would reach this prompt in about {wait:.1f} s, past the server's "
+                            f"deadline of {state.request_timeout:g} s", retry_after=math.ceil(wait - state.request_timeout))
 
 
 async def _within(items: AsyncIterator, timeout: float | None) -> AsyncIterator:

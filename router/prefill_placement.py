@@ -47,11 +47,18 @@ class PrefillPlacement:
             return False  # no prefill worker left is the orchestrator's failover; no decode: nowhere
         rate = prefill.prefill_tokens_per_second
         if not rate or self.hop_seconds is None or not kv_bytes_per_second or self.kv_bytes_per_token is None:
-            return False
+            return False  # (first_token_seconds below is then known too)
         local_rate = rate * decode.peak_flops / prefill.peak_flops if decode.peak_flops and prefill.peak_flops else rate
-        remote = ((prefill.outstanding + prompt_tokens - cached_tokens) / rate + self.hop_seconds
+        remote = (self.first_token_seconds(prompt_tokens - cached_tokens, prefill)
                   + prompt_tokens * self.kv_bytes_per_token / kv_bytes_per_second)
         return (1 + decode.outstanding) * prompt_tokens / local_rate < remote
+
+    def first_token_seconds(self, uncached_tokens: int, prefill: WorkerHandle | None) -> float | None:
+        """When a prompt sent to `prefill` now would have its first token back: the tokens queued
+        there and its own, at the measured rate, plus the hop. None until both are measured."""
+        if prefill is None or not prefill.prefill_tokens_per_second or self.hop_seconds is None:
+            return None
+        return (prefill.outstanding + uncached_tokens) / prefill.prefill_tokens_per_second + self.hop_seconds
 
 
 def _average(old: float, new: float) -> float:

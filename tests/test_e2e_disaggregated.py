@@ -463,6 +463,39 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
         assert METRICS.local_prefills._value.get() == local + 1
 
 
+def test_a_request_the_prefill_queue_cannot_reach_in_time_is_refused_at_once(tiny_server):
+    """With --request-timeout, a prompt that would wait past the deadline behind the prefill queue is
+    refused now (503 + Retry-After, streamed or not: before any stream starts), not answered 504 later.
+    The queue is simulated by charging the prefill worker 10 million tokens in this router's books."""
+    import time
+
+    from services.metrics import METRICS
+
+    _, _, model = tiny_server
+    spec = ClusterSpec(model=model, namespace="pd-tiny", engine_options=OPTIONS)  # the same workers, by name
+    with serve_router(spec, request_timeout=5.0) as (url, state):
+        assert checks.completion(url, [1, 20, 21, 22], 2)["usage"]["completion_tokens"] == 2  # measures the hop
+        deadline = time.monotonic() + 10
+        while not state.pool.best("prefill").prefill_tokens_per_second:
+            assert time.monotonic() < deadline, "the router never polled the prefill rate"
+            time.sleep(0.1)
+        prefill = state.pool.best("prefill")
+        refused = METRICS.requests_refused.labels(reason="deadline")._value.get()
+        prefill.outstanding += 10**7
+        try:
+            for stream in (False, True):
+                body = {"model": "test-model", "prompt": [1, 30, 31], "max_tokens": 4, "stream": stream}
+                response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+                assert response.status_code == 503
+                assert int(response.headers["retry-after"]) >= 1
+                error = response.json()["error"]
+                assert error["code"] == 503 and "past the server's deadline of 5 s" in error["message"]
+        finally:
+            prefill.outstanding -= 10**7
+        assert METRICS.requests_refused.labels(reason="deadline")._value.get() == refused + 2
+        assert checks.completion(url, [1, 30, 31], 4)["usage"]["completion_tokens"] == 4  # the queue is gone
+
+
 def test_two_routers_share_the_named_workers(tiny_server):
     """A second router attaches to the running workers by name: streams through both routers at
     once are each the single engine's, the decode worker keeps one channel per router, and when

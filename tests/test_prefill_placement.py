@@ -59,6 +59,14 @@ def test_a_decode_worker_with_less_compute_prefills_slower():
     assert measured().local(100, *workers()[:1], 0, workers()[1], 1e9)
 
 
+def test_time_to_first_token_needs_both_measurements():
+    prefill, _ = workers(queued=5000)
+    assert measured().first_token_seconds(100, prefill) == pytest.approx(5100 / 10_000 + 0.003)
+    assert PrefillPlacement(None).first_token_seconds(100, prefill) is None  # no hop measured
+    assert measured().first_token_seconds(100, WorkerHandle("prefill-0", "prefill", None)) is None  # no rate
+    assert measured().first_token_seconds(100, None) is None
+
+
 def test_the_hop_is_a_running_average_of_what_the_worker_did_not_spend():
     placement = PrefillPlacement(None)
     placement.observe_prefill(0.015, 0.010, 4096, 16)
