@@ -76,6 +76,7 @@ run() {  # RUN_SECONDS (default 540): the whole run's budget; steps past it are 
         tests/test_e2e_disaggregated.py
     step kv-transfer 100 python3 -m benchmarks.kv_transfer --variants xxh3 --trials 12
     step router-overhead 120 env RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks.router_overhead --requests 50 --rounds 2
+    TAIL=6 step step-profile-cuda 60 python3 -m benchmarks.step_profile --device cuda --preset 1b --batch 1 32 --top 8
     step roofline-cuda 100 python3 -m benchmarks.engine_roofline --device cuda --dtype bfloat16 --max-foreign-cores 4
     step offline-cuda 90 python3 -m benchmarks.offline_throughput --device cuda --dtype bfloat16 \
         --hf-batch-sizes 32 --rounds 2
