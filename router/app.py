@@ -201,4 +201,7 @@ async def _poll_workers(state: RouterState) -> None:
             METRICS.record_worker(stats)
         for role in ("prefill", "decode"):
             METRICS.workers_alive.labels(role).set(len(state.pool.role(role)))
+        wait = state.orchestrator.placement.first_token_seconds(0, state.pool.best("prefill"))
+        if wait is not None:
+            METRICS.prefill_wait_seconds.set(wait)
         await asyncio.sleep(max(0.0, state.stats_interval - (time.perf_counter() - started)))

@@ -63,6 +63,9 @@ class Metrics:
         self.kv_cache_usage_perc = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use.", ["worker"],
                                          registry=r)
         self.workers_alive = Gauge(p + "workers_alive", "Workers answering pings.", ["role"], registry=r)
+        self.prefill_wait_seconds = Gauge(p + "prefill_wait_seconds", "The router's estimate of a new prompt's "
+                                          "wait for its first token at the prefill pool (queued tokens at the "
+                                          "measured rate, plus the hop); set once measured.", registry=r)
         # Per-phase efficiency: achieved rates over the steps of each phase since the last report
         # (busy time, not wall time), and their ratio to the worker's own measured ceiling.
         self.prefill_flops_per_second = Gauge(p + "prefill_flops_per_second", "Prefill steps' FLOP/s.",

@@ -483,6 +483,9 @@ def test_a_request_the_prefill_queue_cannot_reach_in_time_is_refused_at_once(tin
         refused = METRICS.requests_refused.labels(reason="deadline")._value.get()
         prefill.outstanding += 10**7
         try:
+            while METRICS.prefill_wait_seconds._value.get() < 10**7 / prefill.prefill_tokens_per_second:
+                assert time.monotonic() < deadline + 10, "the router's wait estimate never showed the queue"
+                time.sleep(0.1)
             for stream in (False, True):
                 body = {"model": "test-model", "prompt": [1, 30, 31], "max_tokens": 4, "stream": stream}
                 response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
