@@ -231,6 +231,8 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
     actors = []
     try:
         actors = start_workers(spec, local, node_wait=0.0 if local else spec.startup_timeout)
+        for stats in ray.get([a.stats.remote("launcher") for a in actors]):
+            log.warning("pdserve: %s runs on %s (node %s)", stats.worker_id, stats.device, stats.node_id[:12])
         app = create_app(build_router_state(spec, model_name, **router_options))
         log.warning("pdserve: %s mode, serving %s on http://%s:%d", spec.mode, model_name, host, port)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import torch
 from cluster_harness import free_port
 
 
@@ -64,6 +65,10 @@ def test_serve_answers_then_sigterm_stops_everything_it_started(tiny_path):
         assert "raylet" in started.values() and "gcs_server" in started.values()
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
+        output = server.stdout.read()
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"  # a local GPU is shared by the two workers
+        for name in ("prefill-0", "decode-0"):
+            assert f"pdserve: {name} runs on {device} (node " in output, output
         deadline = time.monotonic() + 30
         while alive := {pid: name for pid, name in started.items() if _running(pid)}:
             assert time.monotonic() < deadline, f"left running: {alive}"
