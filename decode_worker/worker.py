@@ -14,25 +14,19 @@ import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import ray
-
 from decode_worker.output_channel import OutputChannel
 from services.errors import KVTransferError
 from services.kv_transport import TRANSPORTS
 from services.protocol import DecodeRequest, WorkerStats
 from services.sample_log import SampleLog
 from services.scheduler import SampledToken
-from services.worker_runtime import WorkerSpec, hardware_peaks, start_engine, worker_stats
+from services.worker_runtime import WorkerActor, WorkerSpec
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerActor):
     def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
-        self.engine = start_engine(spec)
-        self.peaks = hardware_peaks(spec, self.engine)
-        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        super().__init__(spec)
         self.kv_transfers = SampleLog()  # (seconds, bytes) of each KV fetched
-        self.queue_log = SampleLog()
         self.transport = TRANSPORTS[spec.kv_transport]()
         self.kv_fetch_failures = 0  # counted on the event loop
         self.kv_check_failures = 0  # counted on the checker thread (one writer each: no lock)
@@ -151,15 +145,12 @@ class DecodeWorker:
         for rid in list(channel.request_ids):
             self.abort(rid)
 
-    def ping(self) -> str:
-        return self.spec.worker_id
-
     def stats(self, reader: str = "") -> WorkerStats:
         """Counters, and the samples (KV transfers, queue times) `reader` (a router's id) has not had yet."""
-        stats = worker_stats(self.spec, self.engine, self.node_id, self.peaks, self.queue_log, reader)
         failures = self.kv_fetch_failures + self.kv_check_failures
-        return dataclasses.replace(stats, kv_transfers=self.kv_transfers.take(reader), kv_transfer_failures=failures)
+        return dataclasses.replace(super().stats(reader), kv_transfers=self.kv_transfers.take(reader),
+                                   kv_transfer_failures=failures)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        super().shutdown()
         self._kv_checker.shutdown(wait=False)

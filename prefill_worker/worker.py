@@ -13,22 +13,12 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
-import ray
-
 from services.kv_payload import KVPayload
-from services.protocol import PrefillRequest, PrefillResult, WorkerStats
-from services.sample_log import SampleLog
-from services.worker_runtime import WorkerSpec, hardware_peaks, start_engine, worker_stats
+from services.protocol import PrefillRequest, PrefillResult
+from services.worker_runtime import WorkerActor
 
 
-class PrefillWorker:
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
-        self.engine = start_engine(spec)
-        self.peaks = hardware_peaks(spec, self.engine)
-        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        self.queue_log = SampleLog()
-
+class PrefillWorker(WorkerActor):
     async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillResult | KVPayload]:
         """Prefill the prompt; yields the PrefillResult, then the KVPayload."""
         # Only the first token is sampled here; min_tokens keeps masking EOS for it if asked.
@@ -57,13 +47,3 @@ class PrefillWorker:
         )
         yield result
         yield out.kv
-
-    def ping(self) -> str:
-        return self.spec.worker_id
-
-    def stats(self, reader: str = "") -> WorkerStats:
-        """Counters, and the samples `reader` (a router's id) has not had yet."""
-        return worker_stats(self.spec, self.engine, self.node_id, self.peaks, self.queue_log, reader)
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()

@@ -191,8 +191,13 @@ async def _started(first: asyncio.Future, events: AsyncIterator[str]) -> AsyncIt
 async def _poll_workers(state: RouterState) -> None:
     """Renew this router's channels; refresh load and health; copy the workers' counters into the
     metrics."""
+    polls = 0
     while True:
         started = time.perf_counter()
+        if polls % 5 == 4:  # workers `pdserve scale` added or removed since
+            for name in state.pool.discover():
+                state.orchestrator.forget(name)
+        polls += 1
         try:
             await state.orchestrator.renew_channels()
         except Exception as error:  # a worker that does not answer: its channel's own stream will tell

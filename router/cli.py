@@ -1,4 +1,5 @@
-"""The `pdserve` command: serve (the cluster and its router), make-model, and generate (offline).
+"""The `pdserve` command: serve (the cluster and its router), scale (its workers), make-model, and
+generate (offline).
 
 Subcommands import what they need when they run, so this module imports no torch.
 """
@@ -100,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=_positive_int, default=1024,
                        help="completions in flight through the router; one more gets 429 + Retry-After")
 
+    scale = sub.add_parser("scale", help="add or remove workers of a running deployment (its routers keep running)")
+    scale.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
+    scale.add_argument("--namespace", default="pdserve")
+    scale.add_argument("--prefill", type=_positive_int, default=None, help="prefill workers wanted")
+    scale.add_argument("--decode", type=_positive_int, default=None, help="decode workers wanted")
+    scale.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
+                       help="seconds a removed worker may finish its requests; what is left then resumes elsewhere")
+    scale.add_argument("--startup-timeout", type=_positive_float, default=300.0)
+
     gen = sub.add_parser("generate", help="generate offline with the engine (no Ray, no HTTP)")
     gen.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
@@ -174,6 +184,24 @@ def serve(args: argparse.Namespace) -> None:
         request_timeout=args.request_timeout)
 
 
+def scale(args: argparse.Namespace) -> None:
+    import logging
+
+    import ray
+
+    from router.scaler import scale as run
+
+    wanted = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None}
+    if not wanted:
+        raise ValueError("say how many workers: --prefill N and/or --decode M")
+    ray.init(address=args.address, namespace=args.namespace, logging_level=logging.WARNING)
+    try:
+        changed = run(args.namespace, wanted, args.drain_timeout, args.startup_timeout)
+    finally:
+        ray.shutdown()
+    print(f"added {', '.join(changed['added']) or 'none'}; removed {', '.join(changed['removed']) or 'none'}")
+
+
 def make_model(args: argparse.Namespace) -> None:
     from services.model_presets import write_model
 
@@ -198,8 +226,8 @@ def generate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"serve": serve, "make-model": make_model, "generate": generate}[args.command](args)
-    except (ValueError, RuntimeError, FileNotFoundError, FileExistsError) as error:  # CheckpointError: ValueError
+        {"serve": serve, "scale": scale, "make-model": make_model, "generate": generate}[args.command](args)
+    except (ValueError, RuntimeError, OSError) as error:  # CheckpointError: ValueError; no Ray cluster: OSError
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2)
 

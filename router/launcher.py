@@ -167,14 +167,16 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
             options["resources"] = {resource: 1}
         if spec.detached:
             options["lifetime"] = "detached"
+        placement = {k: v for k, v in options.items() if k not in ("name", "namespace", "lifetime")}
         worker_spec = WorkerSpec(name, role, spec.model, dict(spec.engine_options), cpus,
-                                 peak_flops=spec.peak_flops, peak_bytes_per_second=spec.peak_bytes_per_second)
+                                 peak_flops=spec.peak_flops, peak_bytes_per_second=spec.peak_bytes_per_second,
+                                 placement=placement)
         actors.append(ray.remote(cls).options(**options).remote(worker_spec))
-    _wait_ready(actors, [n for n, _, _ in roles], spec.startup_timeout)
+    wait_ready(actors, [n for n, _, _ in roles], spec.startup_timeout)
     return actors
 
 
-def _wait_ready(actors: list, names: list[str], timeout: float) -> None:
+def wait_ready(actors: list, names: list[str], timeout: float) -> None:
     pending = {a.ping.remote(): name for a, name in zip(actors, names)}
     deadline = time.monotonic() + timeout
     while pending:
@@ -245,5 +247,8 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
             log.warning("pdserve: shutting down")
     finally:
         if not spec.detached:
-            stop_workers(actors)
+            from router.worker_pool import named_workers
+
+            workers = named_workers(spec.namespace)  # those started here and those `pdserve scale` added
+            stop_workers(list(workers.values()) or actors)
         ray.shutdown()

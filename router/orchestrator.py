@@ -179,6 +179,12 @@ class Orchestrator:
         calls = [channel.actor.renew.remote([channel.channel_id]) for channel in self.channels.values()]
         await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout)
 
+    def forget(self, worker_name: str) -> None:
+        """Drop this router's channel to a worker that was removed."""
+        channel = self.channels.pop(worker_name, None)
+        if channel is not None:
+            channel.shutdown()
+
     def shutdown(self) -> None:
         for channel in self.channels.values():
             channel.shutdown()

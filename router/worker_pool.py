@@ -29,9 +29,29 @@ class WorkerHandle:
     outstanding: int = 0  # prompt tokens (prefill) or sequences (decode) in flight from this router
     free_kv_blocks: int = 0
     alive: bool = True
+    draining: bool = False  # about to be removed: chosen for nothing new
     # From its stats: prompt tokens it computes per busy second (prefill workers), its matmul ceiling.
     prefill_tokens_per_second: float = 0.0
     peak_flops: float = 0.0
+
+
+def named_workers(namespace: str) -> dict[str, object]:
+    """Every pdserve worker actor in `namespace`, by name (`prefill-0`, `decode-1`, ...), in order."""
+    handles = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] != namespace or name.split("-", 1)[0] not in ("prefill", "decode"):
+            continue
+        try:
+            handles[name] = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # removed meanwhile
+            pass
+    return dict(sorted(handles.items(), key=lambda item: worker_order(item[0])))
+
+
+def worker_order(name: str) -> tuple[str, int]:
+    role, index = name.split("-", 1)
+    return role, int(index) if index.isdigit() else -1
 
 
 class WorkerPool:
@@ -41,17 +61,21 @@ class WorkerPool:
         self.kv_bytes_per_second: float | None = None  # the decode workers' KV fetches, running average
         self.reader_id = uuid.uuid4().hex  # each router gets every worker sample once, whoever else polls
 
-    def discover(self) -> None:
-        """Attach to every named pdserve worker in the namespace."""
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            name, namespace = entry["name"], entry["namespace"]
-            role = name.split("-", 1)[0]
-            if namespace != self.namespace or role not in ("prefill", "decode") or name in self.workers:
-                continue
-            self.workers[name] = WorkerHandle(name, role, ray.get_actor(name, namespace=namespace))
+    def discover(self) -> list[str]:
+        """Attach to every named pdserve worker in the namespace, and forget those that are gone
+        (`pdserve scale` removed them). Returns the names forgotten."""
+        found = named_workers(self.namespace)
+        gone = [name for name in self.workers if name not in found]
+        for name in gone:
+            del self.workers[name]
+        for name, actor in found.items():
+            if name not in self.workers:
+                self.workers[name] = WorkerHandle(name, name.split("-", 1)[0], actor)
+        return gone
 
     def role(self, role: str) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if w.role == role and w.alive]
+        """The live workers of `role` that take new work (not draining)."""
+        return [w for w in self.workers.values() if w.role == role and w.alive and not w.draining]
 
     def best(self, role: str, cached: dict[str, int] | None = None) -> WorkerHandle | None:
         """The live worker of `role` that `claim` would pick now, or None."""
@@ -90,6 +114,7 @@ class WorkerPool:
                 worker.alive = False
                 return None
             worker.free_kv_blocks, worker.alive, worker.peak_flops = stats.num_free_kv_blocks, True, stats.peak_flops
+            worker.draining = stats.draining
             if worker.role == "prefill" and stats.prefill_seconds > 0:
                 worker.prefill_tokens_per_second = stats.num_tokens_processed / stats.prefill_seconds
             for seconds, num_bytes in stats.kv_transfers:

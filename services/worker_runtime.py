@@ -22,6 +22,40 @@ class WorkerSpec:
     kv_transport: str = "object_store"  # a key of services.kv_transport.TRANSPORTS
     peak_flops: float | None = None  # this worker's ceilings, if known; else measured at start-up
     peak_bytes_per_second: float | None = None
+    # The Ray actor options it was placed with (resources or labels, GPU share, restarts), so that
+    # `pdserve scale` can add workers placed like it.
+    placement: dict[str, object] = field(default_factory=dict)
+
+
+class WorkerActor:
+    """What both worker actors share: the engine on the right cores, ceilings, stats, draining."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        import ray
+
+        self.spec = spec
+        self.engine = start_engine(spec)
+        self.peaks = hardware_peaks(spec, self.engine)
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        self.queue_log = SampleLog()
+        self.draining = False  # routers send it no new work (it is about to be removed)
+
+    def ping(self) -> str:
+        return self.spec.worker_id
+
+    def worker_spec(self) -> WorkerSpec:
+        return self.spec
+
+    def drain(self) -> None:
+        """Take no new requests: routers see it in the next stats poll and stop choosing it."""
+        self.draining = True
+
+    def stats(self, reader: str = "") -> WorkerStats:
+        """Counters, and the samples `reader` (a router's id) has not had yet."""
+        return worker_stats(self.spec, self.engine, self.node_id, self.peaks, self.queue_log, reader, self.draining)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
 
 def start_engine(spec: WorkerSpec) -> AsyncEngine:
@@ -46,7 +80,7 @@ def hardware_peaks(spec: WorkerSpec, engine: AsyncEngine):
 
 
 def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks, queue_log: SampleLog,
-                 reader: str) -> WorkerStats:
+                 reader: str, draining: bool = False) -> WorkerStats:
     """Counters and ceilings, and the queue times `reader` has not had yet (from `queue_log`)."""
     e = engine.engine
     bm = e.block_manager
@@ -60,7 +94,7 @@ def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks, que
         num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
         num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
         num_tokens_processed=e.num_tokens_processed, num_prefix_queries=bm.num_prefix_queries,
-        num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps, device=str(e.device),
+        num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps, device=str(e.device), draining=draining,
         prefill_flops=phases.prefill_flops, prefill_seconds=phases.prefill_seconds,
         decode_bytes=phases.decode_bytes, decode_seconds=phases.decode_seconds,
         peak_flops=peaks.flops, peak_bytes_per_second=peaks.bytes_per_second, queue_times=queue_times,

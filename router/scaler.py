@@ -1,0 +1,95 @@
+"""`pdserve scale`: change how many prefill and decode workers a running deployment has, with its
+routers running (they find new workers, and stop choosing removed ones, at their stats polls).
+
+A new worker copies an existing one of its role: model, engine options, ceilings and placement
+(the Ray resources or node labels, GPU share and restarts it was created with); it is detached, so
+it outlives this command. A removed worker first drains: routers see it draining at their next
+poll and send it nothing new; once it is idle (or `drain_timeout` has passed) it is killed, and
+whatever it still ran resumes elsewhere (a decode stream continues on another decode worker with no
+token lost or repeated; a prefill is retried on another prefill worker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ray
+
+from router.worker_pool import named_workers, worker_order
+
+ROLES = ("prefill", "decode")
+POLL_GRACE = 2.5  # seconds: a router polls each second; two polls after draining, none chooses it
+
+
+def scale(namespace: str, wanted: dict[str, int], drain_timeout: float = 30.0, startup_timeout: float = 300.0
+          ) -> dict[str, list[str]]:
+    """Add or remove workers until each role in `wanted` has that many. Returns the names added and
+    removed. Refuses, before changing anything, a count below 1 or a role with no worker to copy."""
+    workers = named_workers(namespace)
+    plan: dict[str, tuple[list[str], list[str]]] = {}
+    for role, count in wanted.items():
+        if role not in ROLES or count < 1:
+            raise ValueError(f"every role keeps at least one worker; got {role}={count}")
+        have = [name for name in workers if name.startswith(role + "-")]
+        if not have:
+            raise RuntimeError(f"namespace {namespace!r} has no {role} worker to copy (start it with pdserve serve)")
+        used = {worker_order(name)[1] for name in have}
+        free = (i for i in range(len(have) + count) if i not in used)
+        plan[role] = ([f"{role}-{next(free)}" for _ in range(count - len(have))], have[count:])
+    added = _add(namespace, workers, plan, startup_timeout)
+    removed = [name for _, (_, gone) in plan.items() for name in gone]
+    _remove(namespace, {name: workers[name] for name in removed}, drain_timeout)
+    return {"added": added, "removed": removed}
+
+
+def _add(namespace: str, workers: dict[str, object], plan: dict, startup_timeout: float) -> list[str]:
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+    from router.launcher import wait_ready
+
+    names, actors = [], []
+    for role, (new, _) in plan.items():
+        if not new:
+            continue
+        template = ray.get(workers[next(n for n in workers if n.startswith(role + "-"))].worker_spec.remote())
+        _check_room(role, len(new), template.placement)
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        for name in new:
+            spec = dataclasses.replace(template, worker_id=name, cpu_ids=None)  # unpinned: cores were handed out
+            options = dict(template.placement, name=name, namespace=namespace, lifetime="detached")
+            actors.append(ray.remote(cls).options(**options).remote(spec))
+            names.append(name)
+    try:
+        wait_ready(actors, names, startup_timeout)
+    except RuntimeError:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise
+    return names
+
+
+def _check_room(role: str, count: int, placement: dict) -> None:
+    """Fail fast when the cluster has no room for `count` more workers placed like this one."""
+    free = ray.available_resources()
+    needs = {**placement.get("resources", {}), "GPU": placement.get("num_gpus", 0)}
+    for resource, each in needs.items():
+        if each and free.get(resource, 0) + 1e-9 < each * count:
+            raise RuntimeError(f"{count} more {role} worker(s) need {each * count:g} of {resource!r} but the "
+                               f"cluster has {free.get(resource, 0):g} free; add nodes first")
+
+
+def _remove(namespace: str, doomed: dict[str, object], drain_timeout: float) -> None:
+    if not doomed:
+        return
+    ray.get([actor.drain.remote() for actor in doomed.values()])
+    time.sleep(POLL_GRACE)  # every router has polled since: none sends it anything new
+    deadline = time.monotonic() + drain_timeout
+    busy = dict(doomed)
+    while busy and time.monotonic() < deadline:
+        for name, stats in zip(list(busy), ray.get([a.stats.remote("scaler") for a in busy.values()])):
+            if stats.num_running == 0 and stats.num_waiting == 0:
+                del busy[name]
+        time.sleep(0.2)
+    for actor in doomed.values():
+        ray.kill(actor, no_restart=True)
