@@ -195,8 +195,11 @@ async def _poll_workers(state: RouterState) -> None:
     while True:
         started = time.perf_counter()
         if polls % 5 == 4:  # workers `pdserve scale` added or removed since
-            for name in state.pool.discover():
-                state.orchestrator.forget(name)
+            try:
+                for name in state.pool.discover():
+                    state.orchestrator.forget(name)
+            except Exception as error:  # the control store did not answer: next time
+                log.warning("looking up the workers failed: %r", error)
         polls += 1
         try:
             await state.orchestrator.renew_channels()

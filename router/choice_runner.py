@@ -49,13 +49,13 @@ async def run_choices(state, prep: Prepared) -> AsyncIterator[tuple[ChoiceState,
 
 def refuse_past_deadline(state, prep: Prepared) -> None:
     """Honest, fast refusal: with a request deadline, a request that the prefill queue would not
-    reach before it passes is answered 503 + Retry-After now, not 504 after the wait. Only where the
-    router has measured the queue's rate (disaggregated, after a prefill and a stats poll); the
-    estimate is the shortest prompt's time to its first token, a lower bound of the request's."""
-    if state.request_timeout is None or state.orchestrator.mode != "disaggregated":
+    reach before it passes is answered 503 + Retry-After now, not 504 after the wait. Only where
+    every prompt of it would go to the prefill pool and the router has measured the pool (see
+    `Orchestrator.first_token_estimate`); the shortest of their waits is a lower bound of its own."""
+    if state.request_timeout is None:
         return
-    wait = state.orchestrator.placement.first_token_seconds(min(len(p) for p in prep.prompts),
-                                                             state.pool.best("prefill"))
+    waits = [state.orchestrator.first_token_estimate(prompt) for prompt in prep.prompts]
+    wait = None if None in waits else min(waits)
     if wait is not None and wait > state.request_timeout:
         METRICS.requests_refused.labels(reason="deadline").inc()
         raise APIError(503, f"the prefill queue would reach this prompt in about {wait:.1f} s, past the server's "

@@ -103,6 +103,12 @@ class DecodeChannel:
         finally:
             self._stream = None
 
+    def fail_open(self, reason: str) -> None:
+        """End every request still reading here with WorkerLost (their streams resume elsewhere)."""
+        requests, self._requests = self._requests, {}
+        for deltas in requests.values():
+            deltas.fail(WorkerLost(f"{self.name}: {reason}"))
+
     def shutdown(self) -> None:
         """Stop reading; the worker then aborts whatever this router still had running there."""
         if self._stream is not None:

@@ -249,6 +249,9 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
         if not spec.detached:
             from router.worker_pool import named_workers
 
-            workers = named_workers(spec.namespace)  # those started here and those `pdserve scale` added
+            try:
+                workers = named_workers(spec.namespace)  # those started here and those `pdserve scale` added
+            except Exception:  # the cluster is going away already: what this process started
+                workers = {}
             stop_workers(list(workers.values()) or actors)
         ray.shutdown()

@@ -180,10 +180,26 @@ class Orchestrator:
         await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout)
 
     def forget(self, worker_name: str) -> None:
-        """Drop this router's channel to a worker that was removed."""
+        """Drop this router's channel to a worker that was removed (or replaced under its name)."""
         channel = self.channels.pop(worker_name, None)
         if channel is not None:
+            channel.fail_open("the worker was removed")
             channel.shutdown()
+
+    def first_token_estimate(self, prompt_token_ids: list[int]) -> float | None:
+        """Seconds until this prompt, sent now, would have its first token from the prefill pool;
+        None where it would not go there (colocated, or prefilled by its decode worker) or where the
+        router has not measured the pool yet."""
+        if self.mode != "disaggregated":
+            return None
+        keys = self.prefixes.keys(prompt_token_ids)
+        if self._prefill_locally(len(prompt_token_ids), keys):
+            return None
+        cached = self.prefixes.cached_tokens(keys)
+        prefill = self.pool.best("prefill", cached)
+        if prefill is None:
+            return None
+        return self.placement.first_token_seconds(len(prompt_token_ids) - cached.get(prefill.name, 0), prefill)
 
     def shutdown(self) -> None:
         for channel in self.channels.values():

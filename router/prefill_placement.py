@@ -10,7 +10,9 @@ of waiting each choice imposes, summed over every request it delays:
              + the KV hand-off (prompt tokens x KV bytes per token / the measured transfer rate)
     local  = (1 + streams decoding on the decode worker) x prompt tokens / that worker's prefill rate
 
-(every stream in the decode worker's batch waits while it prefills). Local when local < remote: an
+(every stream in the decode worker's batch waits while it prefills). Queued tokens and streams are
+the larger of what this router has in flight there (current) and what the worker last reported
+for all routers (a stats poll old). Local when local < remote: an
 idle decode worker takes short prompts and prompts the prefill pool would queue; a busy one leaves
 them to the prefill pool. The decode worker's prefill rate is the prefill pool's, scaled by the two
 workers' matmul ceilings (prefill is compute-bound). Until a rate has been measured (a remote
@@ -19,9 +21,7 @@ prefill, then a stats poll) every prompt goes to the prefill pool.
 
 from __future__ import annotations
 
-from router.worker_pool import WorkerHandle
-
-_SMOOTHING = 0.2  # weight of the newest sample in the running averages
+from router.worker_pool import WorkerHandle, running_average
 
 
 class PrefillPlacement:
@@ -34,8 +34,7 @@ class PrefillPlacement:
     def observe_prefill(self, seconds: float, prefill_seconds: float, kv_bytes: int, prompt_tokens: int) -> None:
         """One remote prefill as the router saw it: `seconds` from the call to its metadata, of which
         the worker spent `prefill_seconds` (queue and compute); its KV was `kv_bytes`."""
-        hop = max(0.0, seconds - prefill_seconds)
-        self.hop_seconds = hop if self.hop_seconds is None else _average(self.hop_seconds, hop)
+        self.hop_seconds = running_average(self.hop_seconds, max(0.0, seconds - prefill_seconds))
         self.kv_bytes_per_token = kv_bytes / max(1, prompt_tokens)
 
     def local(self, prompt_tokens: int, prefill: WorkerHandle | None, cached_tokens: int,
@@ -51,15 +50,13 @@ class PrefillPlacement:
         local_rate = rate * decode.peak_flops / prefill.peak_flops if decode.peak_flops and prefill.peak_flops else rate
         remote = (self.first_token_seconds(prompt_tokens - cached_tokens, prefill)
                   + prompt_tokens * self.kv_bytes_per_token / kv_bytes_per_second)
-        return (1 + decode.outstanding) * prompt_tokens / local_rate < remote
+        return (1 + max(decode.outstanding, decode.reported_requests)) * prompt_tokens / local_rate < remote
 
     def first_token_seconds(self, uncached_tokens: int, prefill: WorkerHandle | None) -> float | None:
         """When a prompt sent to `prefill` now would have its first token back: the tokens queued
         there and its own, at the measured rate, plus the hop. None until both are measured."""
         if prefill is None or not prefill.prefill_tokens_per_second or self.hop_seconds is None:
             return None
-        return (prefill.outstanding + uncached_tokens) / prefill.prefill_tokens_per_second + self.hop_seconds
+        queued = max(prefill.outstanding, prefill.reported_queued_tokens)  # all routers' work, or ours if newer
+        return (queued + uncached_tokens) / prefill.prefill_tokens_per_second + self.hop_seconds
 
-
-def _average(old: float, new: float) -> float:
-    return (1 - _SMOOTHING) * old + _SMOOTHING * new

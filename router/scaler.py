@@ -25,7 +25,8 @@ POLL_GRACE = 2.5  # seconds: a router polls each second; two polls after drainin
 def scale(namespace: str, wanted: dict[str, int], drain_timeout: float = 30.0, startup_timeout: float = 300.0
           ) -> dict[str, list[str]]:
     """Add or remove workers until each role in `wanted` has that many. Returns the names added and
-    removed. Refuses, before changing anything, a count below 1 or a role with no worker to copy."""
+    removed. Refuses, before changing anything, a count below 1, a role with no worker to copy, or
+    (for workers placed by resource) a cluster without the free resources for the new ones."""
     workers = named_workers(namespace)
     plan: dict[str, tuple[list[str], list[str]]] = {}
     for role, count in wanted.items():
@@ -48,14 +49,13 @@ def _add(namespace: str, workers: dict[str, object], plan: dict, startup_timeout
     from prefill_worker.worker import PrefillWorker
     from router.launcher import wait_ready
 
+    templates = {role: ray.get(workers[next(n for n in workers if n.startswith(role + "-"))].worker_spec.remote())
+                 for role, (new, _) in plan.items() if new}
+    _check_room({role: (len(plan[role][0]), spec.placement) for role, spec in templates.items()})
     names, actors = [], []
-    for role, (new, _) in plan.items():
-        if not new:
-            continue
-        template = ray.get(workers[next(n for n in workers if n.startswith(role + "-"))].worker_spec.remote())
-        _check_room(role, len(new), template.placement)
+    for role, template in templates.items():
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        for name in new:
+        for name in plan[role][0]:
             spec = dataclasses.replace(template, worker_id=name, cpu_ids=None)  # unpinned: cores were handed out
             options = dict(template.placement, name=name, namespace=namespace, lifetime="detached")
             actors.append(ray.remote(cls).options(**options).remote(spec))
@@ -69,27 +69,43 @@ def _add(namespace: str, workers: dict[str, object], plan: dict, startup_timeout
     return names
 
 
-def _check_room(role: str, count: int, placement: dict) -> None:
-    """Fail fast when the cluster has no room for `count` more workers placed like this one."""
+def _check_room(additions: dict[str, tuple[int, dict]]) -> None:
+    """Fail fast, before creating anything, when the cluster lacks the free resources (custom
+    resources and GPUs) for every worker to add. Workers placed by node labels are not checked
+    here: they wait for a matching node, up to the startup timeout."""
+    needs: dict[str, float] = {}
+    for count, placement in additions.values():
+        for resource, each in {**placement.get("resources", {}), "GPU": placement.get("num_gpus", 0)}.items():
+            needs[resource] = needs.get(resource, 0) + each * count
     free = ray.available_resources()
-    needs = {**placement.get("resources", {}), "GPU": placement.get("num_gpus", 0)}
-    for resource, each in needs.items():
-        if each and free.get(resource, 0) + 1e-9 < each * count:
-            raise RuntimeError(f"{count} more {role} worker(s) need {each * count:g} of {resource!r} but the "
-                               f"cluster has {free.get(resource, 0):g} free; add nodes first")
+    for resource, need in needs.items():
+        if need and free.get(resource, 0) + 1e-9 < need:
+            raise RuntimeError(f"the workers to add need {need:g} of {resource!r} but the cluster has "
+                               f"{free.get(resource, 0):g} free; add nodes first")
 
 
 def _remove(namespace: str, doomed: dict[str, object], drain_timeout: float) -> None:
+    """Drain, wait until idle (or `drain_timeout`), kill. A worker that dies meanwhile is done."""
     if not doomed:
         return
-    ray.get([actor.drain.remote() for actor in doomed.values()])
-    time.sleep(POLL_GRACE)  # every router has polled since: none sends it anything new
+    for actor in doomed.values():
+        _quietly(lambda a=actor: ray.get(a.drain.remote(), timeout=10))
+    time.sleep(POLL_GRACE)  # every router has polled since (at the default 1 s): none sends it anything new
     deadline = time.monotonic() + drain_timeout
     busy = dict(doomed)
     while busy and time.monotonic() < deadline:
-        for name, stats in zip(list(busy), ray.get([a.stats.remote("scaler") for a in busy.values()])):
-            if stats.num_running == 0 and stats.num_waiting == 0:
+        for name, actor in list(busy.items()):
+            stats = _quietly(lambda a=actor: ray.get(a.stats.remote("scaler"), timeout=10))
+            if stats is None or (stats.num_running == 0 and stats.num_waiting == 0):
                 del busy[name]
         time.sleep(0.2)
     for actor in doomed.values():
-        ray.kill(actor, no_restart=True)
+        _quietly(lambda a=actor: ray.kill(a, no_restart=True))
+
+
+def _quietly(call):
+    """`call()`, or None if the worker is already gone."""
+    try:
+        return call()
+    except Exception:  # a dead actor, a timeout: nothing left to wait for
+        return None

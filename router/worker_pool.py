@@ -30,23 +30,33 @@ class WorkerHandle:
     free_kv_blocks: int = 0
     alive: bool = True
     draining: bool = False  # about to be removed: chosen for nothing new
+    # What it last reported for all routers (`outstanding` is this router's share, up to date).
+    reported_requests: int = 0  # running and waiting
+    reported_queued_tokens: int = 0
     # From its stats: prompt tokens it computes per busy second (prefill workers), its matmul ceiling.
     prefill_tokens_per_second: float = 0.0
     peak_flops: float = 0.0
 
 
-def named_workers(namespace: str) -> dict[str, object]:
-    """Every pdserve worker actor in `namespace`, by name (`prefill-0`, `decode-1`, ...), in order."""
+def named_workers(namespace: str, known: dict[str, object] | None = None) -> dict[str, object]:
+    """Every pdserve worker actor in `namespace`, by name (`prefill-0`, `decode-1`, ...), in order.
+    Handles in `known` are reused (one control-store lookup per new name only)."""
+    known = known or {}
     handles = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name = entry["name"]
         if entry["namespace"] != namespace or name.split("-", 1)[0] not in ("prefill", "decode"):
             continue
         try:
-            handles[name] = ray.get_actor(name, namespace=namespace)
+            handles[name] = known.get(name) or ray.get_actor(name, namespace=namespace)
         except ValueError:  # removed meanwhile
             pass
     return dict(sorted(handles.items(), key=lambda item: worker_order(item[0])))
+
+
+def running_average(old: float | None, new: float, weight: float = 0.2) -> float:
+    """An exponential running average; `weight` is the newest sample's share."""
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def worker_order(name: str) -> tuple[str, int]:
@@ -63,15 +73,19 @@ class WorkerPool:
 
     def discover(self) -> list[str]:
         """Attach to every named pdserve worker in the namespace, and forget those that are gone
-        (`pdserve scale` removed them). Returns the names forgotten."""
-        found = named_workers(self.namespace)
-        gone = [name for name in self.workers if name not in found]
-        for name in gone:
+        (`pdserve scale` removed them). A worker that stopped answering is looked up again: its
+        name may now belong to a new actor (removed, then added back). Returns the names whose
+        worker was forgotten or replaced."""
+        live = {name: w.actor for name, w in self.workers.items() if w.alive}
+        found = named_workers(self.namespace, known=live)
+        changed = [name for name, w in self.workers.items()
+                   if name not in found or found[name]._actor_id != w.actor._actor_id]
+        for name in changed:
             del self.workers[name]
         for name, actor in found.items():
             if name not in self.workers:
                 self.workers[name] = WorkerHandle(name, name.split("-", 1)[0], actor)
-        return gone
+        return changed
 
     def role(self, role: str) -> list[WorkerHandle]:
         """The live workers of `role` that take new work (not draining)."""
@@ -115,12 +129,12 @@ class WorkerPool:
                 return None
             worker.free_kv_blocks, worker.alive, worker.peak_flops = stats.num_free_kv_blocks, True, stats.peak_flops
             worker.draining = stats.draining
-            if worker.role == "prefill" and stats.prefill_seconds > 0:
+            worker.reported_requests = stats.num_running + stats.num_waiting
+            worker.reported_queued_tokens = stats.num_queued_tokens
+            if worker.role == "prefill" and stats.prefill_seconds > 0:  # over its life: steady, slow to follow load
                 worker.prefill_tokens_per_second = stats.num_tokens_processed / stats.prefill_seconds
             for seconds, num_bytes in stats.kv_transfers:
-                rate = num_bytes / max(seconds, 1e-6)
-                old = self.kv_bytes_per_second
-                self.kv_bytes_per_second = rate if old is None else 0.8 * old + 0.2 * rate
+                self.kv_bytes_per_second = running_average(self.kv_bytes_per_second, num_bytes / max(seconds, 1e-6))
             return stats
 
         return [s for s in await asyncio.gather(*(one(w) for w in self.workers.values())) if s is not None]

@@ -96,6 +96,7 @@ class WorkerStats:
     num_prefix_queries: int
     num_prefix_hits: int
     num_steps: int
+    num_queued_tokens: int = 0  # tokens its running and waiting requests have yet to compute (all routers')
     draining: bool = False  # being removed (`pdserve scale`): routers send it nothing new
     device: str = "cpu"  # where its engine runs ("cuda:0"): a GPU node's worker that shows "cpu" was given no GPU
     kv_transfers: tuple[tuple[float, int], ...] = ()  # (seconds, bytes) of KV fetched since the last call

@@ -46,9 +46,9 @@ class WorkerActor:
     def worker_spec(self) -> WorkerSpec:
         return self.spec
 
-    def drain(self) -> None:
-        """Take no new requests: routers see it in the next stats poll and stop choosing it."""
-        self.draining = True
+    def drain(self, draining: bool = True) -> None:
+        """Take no new requests (False: take them again): routers see it at their next stats poll."""
+        self.draining = draining
 
     def stats(self, reader: str = "") -> WorkerStats:
         """Counters, and the samples `reader` (a router's id) has not had yet."""
@@ -95,7 +95,19 @@ def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks, que
         num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
         num_tokens_processed=e.num_tokens_processed, num_prefix_queries=bm.num_prefix_queries,
         num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps, device=str(e.device), draining=draining,
+        num_queued_tokens=_queued_tokens(e.scheduler),
         prefill_flops=phases.prefill_flops, prefill_seconds=phases.prefill_seconds,
         decode_bytes=phases.decode_bytes, decode_seconds=phases.decode_seconds,
         peak_flops=peaks.flops, peak_bytes_per_second=peaks.bytes_per_second, queue_times=queue_times,
     )
+
+
+def _queued_tokens(scheduler) -> int:
+    """Tokens the scheduler's requests have yet to compute, read from the actor's thread while the
+    engine thread may change the queues (a copy that raced a change is taken again)."""
+    for _ in range(3):
+        try:
+            return sum(seq.num_uncomputed_tokens for seq in (*scheduler.waiting, *scheduler.running))
+        except RuntimeError:  # "deque mutated during iteration"
+            continue
+    return 0

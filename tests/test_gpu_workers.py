@@ -13,7 +13,7 @@ from cluster_harness import serve_router
 from router.launcher import ClusterSpec, init_local_ray, start_workers, stop_workers
 from services.tokenizer import Tokenizer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs one CUDA device")]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +34,9 @@ def local_gpu_cluster(tiny_path):
 
 
 def test_each_worker_takes_half_the_gpu_and_runs_on_it(local_gpu_cluster):
-    _, actors = local_gpu_cluster
-    assert ray.cluster_resources()["GPU"] == torch.cuda.device_count() == 1
-    assert ray.available_resources().get("GPU", 0) == 0  # 0.5 + 0.5
+    spec, actors = local_gpu_cluster
+    assert ray.cluster_resources()["GPU"] == 1 and spec.worker_gpus(1, local=True) == 0.5
+    assert [ray.get(a.worker_spec.remote()).placement["num_gpus"] for a in actors] == [0.5, 0.5]
     assert [ray.get(a.stats.remote()).device for a in actors] == ["cuda:0", "cuda:0"]
 
 

@@ -51,9 +51,14 @@ def test_more_gpus_than_the_cluster_has_fail_fast(labelled_cluster, tiny_path):
 def test_gpu_share_of_each_worker(workers, cluster_gpus, local, share):
     spec = ClusterSpec(model="x", mode="colocated", num_colocated=workers)
     assert spec.worker_gpus(cluster_gpus, local) == share
-    assert ClusterSpec(model="x", gpus_per_worker=0.25).worker_gpus(cluster_gpus, local) == 0.25
-    with pytest.raises(ValueError, match=r"gpus_per_worker must be in \[0, 1\]"):
-        ClusterSpec(model="x", gpus_per_worker=2)
+
+
+def test_a_given_gpu_share_is_used_as_is_and_checked():
+    assert [ClusterSpec(model="x", gpus_per_worker=0.25).worker_gpus(g, local) for g, local in
+            ((0, True), (1, True), (8, False))] == [0.25, 0.25, 0.25]
+    for bad in (2, -0.5):
+        with pytest.raises(ValueError, match=r"gpus_per_worker must be in \[0, 1\]"):
+            ClusterSpec(model="x", gpus_per_worker=bad)
 
 
 def test_label_selectors_place_each_role_on_its_node(labelled_cluster, tiny_path):

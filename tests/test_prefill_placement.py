@@ -53,6 +53,33 @@ def test_the_cost_model_weighs_stalled_streams_against_the_hop(queued, streams, 
     assert measured().local(prompt, prefill, cached, decode, 1e9) is local
 
 
+def test_other_routers_work_counts_through_what_the_workers_report():
+    prefill, decode = workers()
+    decode.reported_requests = 4  # streams other routers sent there: 50 ms of stalls vs 15.5 ms remote
+    assert not measured().local(100, prefill, 0, decode, 1e9)
+    prefill, decode = workers(streams=4)
+    prefill.reported_queued_tokens = 5000  # other routers' queue at the prefill worker: 0.5 s
+    assert measured().local(100, prefill, 0, decode, 1e9)
+    assert measured().first_token_seconds(100, prefill) == pytest.approx(5100 / 10_000 + 0.003)
+
+
+def test_discovery_replaces_a_worker_whose_name_now_belongs_to_a_new_actor(monkeypatch):
+    class Handle:
+        def __init__(self, actor_id: str) -> None:
+            self._actor_id = actor_id
+
+    pool = WorkerPool("pd-test")
+    pool.workers = {"decode-0": WorkerHandle("decode-0", "decode", Handle("a")),
+                    "decode-1": WorkerHandle("decode-1", "decode", Handle("b"), alive=False),
+                    "prefill-0": WorkerHandle("prefill-0", "prefill", Handle("c"))}
+    found = {"decode-0": Handle("a"), "decode-1": Handle("new"), "prefill-1": Handle("d")}  # prefill-0 removed
+    monkeypatch.setattr("router.worker_pool.named_workers", lambda namespace, known: found)
+    assert pool.discover() == ["decode-1", "prefill-0"]
+    assert {name: w.actor._actor_id for name, w in pool.workers.items()} == {"decode-0": "a", "decode-1": "new",
+                                                                              "prefill-1": "d"}
+    assert pool.workers["decode-1"].alive and pool.workers["prefill-1"].role == "prefill"
+
+
 def test_a_decode_worker_with_less_compute_prefills_slower():
     prefill, decode = workers(decode_flops=0.5e12)  # local: 20 ms for 100 tokens vs 15.5 ms remote
     assert not measured().local(100, prefill, 0, decode, 1e9)

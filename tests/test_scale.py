@@ -56,6 +56,16 @@ def test_scale_up_then_down_with_the_router_running(cluster, tiny_path):
         want = [o.text for o in engine.generate(prompts, SamplingParams(max_tokens=2000, temperature=0,
                                                                         ignore_eos=True))]
         decode_1 = ray.get_actor("decode-1", namespace=NAMESPACE)
+        # A draining worker gets nothing new from the router (from its next stats poll on).
+        ray.get(decode_1.drain.remote())
+        _wait_for(lambda: pool.workers["decode-1"].draining, "the router never saw decode-1 draining")
+        before = ray.get(decode_1.stats.remote()).num_tokens_processed
+        with ThreadPoolExecutor(3) as threads:
+            assert all(f.result()["usage"]["completion_tokens"] == 4 for f in
+                       [threads.submit(checks.completion, url, [1, 60 + i, 61], 4) for i in range(3)])
+        assert ray.get(decode_1.stats.remote()).num_tokens_processed == before
+        ray.get(decode_1.drain.remote(False))  # back in service
+        _wait_for(lambda: not pool.workers["decode-1"].draining, "the router never saw decode-1 back")
         failovers = METRICS.decode_failovers._value.get()
         with ThreadPoolExecutor(2) as threads:
             streams = [threads.submit(checks.streamed_text, url, p, 2000) for p in prompts]
@@ -74,8 +84,8 @@ def test_scale_up_then_down_with_the_router_running(cluster, tiny_path):
 def test_scale_refuses_what_it_cannot_do(cluster, tiny_path):
     spec = ClusterSpec(model=str(tiny_path), namespace="pd-scale-refusals", engine_options=OPTIONS)
     with router_server(spec):
-        with pytest.raises(RuntimeError, match=r"more decode worker\(s\) need 2 of 'pd_decode' but the cluster has"):
-            scale("pd-scale-refusals", {"decode": 3})  # the decode node has 2 slots, 1 of them taken
+        with pytest.raises(RuntimeError, match=r"the workers to add need 2 of 'pd_decode' but the cluster has 1 free"):
+            scale("pd-scale-refusals", {"prefill": 2, "decode": 3})  # decode: 2 slots, 1 taken; prefill: room
         with pytest.raises(ValueError, match="every role keeps at least one worker"):
             scale("pd-scale-refusals", {"decode": 0})
         with pytest.raises(RuntimeError, match="has no prefill worker to copy"):
