@@ -1,5 +1,5 @@
-"""The `pdserve` command: serve (the cluster and its router), scale (its workers), make-model, and
-generate (offline).
+"""The `pdserve` command: serve (the cluster and its router), router (one more router), scale (the
+workers), make-model, and generate (offline).
 
 Subcommands import what they need when they run, so this module imports no torch.
 """
@@ -56,14 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start (or join) Ray, create the workers, serve the OpenAI API")
     serve.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
-    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: the folder name)")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     serve.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     serve.add_argument("--prefill", type=_positive_int, default=1, help="prefill workers (disaggregated)")
     serve.add_argument("--decode", type=_positive_int, default=1, help="decode workers (disaggregated)")
     serve.add_argument("--workers", type=_positive_int, default=2, help="workers (colocated)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--address", default=None, help="join a Ray cluster (auto or HOST:PORT); default: start one")
     serve.add_argument("--namespace", default="pdserve")
     serve.add_argument("--prefill-resource", default="pd_prefill")
@@ -90,16 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-restarts", type=_non_negative_int, default=3,
                        help="times Ray starts a dead worker again (it reloads the model)")
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
-    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                       help="require this Bearer key (default: $PDSERVE_API_KEY; none: open)")
-    serve.add_argument("--local-prefill-tokens", type=_local_prefill, default=0,
-                       help="disaggregated: prompts of at most this many tokens are prefilled by their decode worker "
-                            "(no KV hand-off; 0: never); auto: a cost model decides per request")
-    serve.add_argument("--request-timeout", type=_positive_float, default=None,
-                       help="seconds a completion may take; past it the request is aborted and answered 504 "
-                            "(a stream ends with a 504 error event); default: no limit")
-    serve.add_argument("--max-pending", type=_positive_int, default=1024,
-                       help="completions in flight through the router; one more gets 429 + Retry-After")
+    _router_flags(serve)
+
+    router = sub.add_parser("router", help="one more router for workers already running (they are shared by name)")
+    router.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
+    router.add_argument("--namespace", default="pdserve")
+    router.add_argument("--model", default=None, help="the model folder on this host (default: the workers' own)")
+    router.add_argument("--wait", type=_non_negative_float, default=60.0, help="seconds to wait for a decode worker")
+    _router_flags(router)
 
     scale = sub.add_parser("scale", help="add or remove workers of a running deployment (its routers keep running)")
     scale.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
@@ -118,6 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     return parser
+
+
+def _router_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the router itself, shared by `serve` and `router`."""
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the folder name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=_port, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                       help="require this Bearer key (default: $PDSERVE_API_KEY; none: open)")
+    parser.add_argument("--local-prefill-tokens", type=_local_prefill, default=0,
+                       help="disaggregated: prompts of at most this many tokens are prefilled by their decode worker "
+                            "(no KV hand-off; 0: never); auto: a cost model decides per request")
+    parser.add_argument("--request-timeout", type=_positive_float, default=None,
+                       help="seconds a completion may take; past it the request is aborted and answered 504 "
+                            "(a stream ends with a 504 error event); default: no limit")
+    parser.add_argument("--max-pending", type=_positive_int, default=1024,
+                       help="completions in flight through the router; one more gets 429 + Retry-After")
 
 
 def _port(text: str) -> int:
@@ -179,9 +191,19 @@ def serve(args: argparse.Namespace) -> None:
                        peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
                        peak_bytes_per_second=None if args.peak_gbps is None else args.peak_gbps * 1e9)
     address = None if args.address is None else args.address
-    run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, api_key=args.api_key,
-        max_pending=args.max_pending, local_prefill_tokens=args.local_prefill_tokens,
-        request_timeout=args.request_timeout)
+    run(spec, args.served_model_name or Path(model).name, args.host, args.port, address, **_router_options(args))
+
+
+def _router_options(args: argparse.Namespace) -> dict:
+    return dict(api_key=args.api_key, max_pending=args.max_pending, local_prefill_tokens=args.local_prefill_tokens,
+                request_timeout=args.request_timeout)
+
+
+def router(args: argparse.Namespace) -> None:
+    from router.server import attach
+
+    attach(args.address, args.namespace, args.host, args.port, args.model, args.served_model_name, args.wait,
+           **_router_options(args))
 
 
 def scale(args: argparse.Namespace) -> None:
@@ -226,7 +248,8 @@ def generate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"serve": serve, "scale": scale, "make-model": make_model, "generate": generate}[args.command](args)
+        {"serve": serve, "router": router, "scale": scale, "make-model": make_model,
+         "generate": generate}[args.command](args)
     except (ValueError, RuntimeError, OSError) as error:  # CheckpointError: ValueError; no Ray cluster: OSError
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2)

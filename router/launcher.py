@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -221,9 +220,7 @@ def build_router_state(spec: ClusterSpec, model_name: str, **router_options):
 def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str | None,
           **router_options) -> None:
     """Run until Ctrl-C / SIGTERM, then stop what was started."""
-    import uvicorn
-
-    from router.app import create_app
+    from router.server import run_router
 
     local = address is None
     if local:
@@ -235,16 +232,7 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
         actors = start_workers(spec, local, node_wait=0.0 if local else spec.startup_timeout)
         for stats in ray.get([a.stats.remote("launcher") for a in actors]):
             log.warning("pdserve: %s runs on %s (node %s)", stats.worker_id, stats.device, stats.node_id[:12])
-        app = create_app(build_router_state(spec, model_name, **router_options))
-        log.warning("pdserve: %s mode, serving %s on http://%s:%d", spec.mode, model_name, host, port)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the
-        # handlers it found: make SIGTERM, like SIGINT, unwind into the cleanup below.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
-            uvicorn.Server(config).run()  # on uvloop and httptools (dependencies), as uvicorn[standard]
-        except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal
-            log.warning("pdserve: shutting down")
+        run_router(spec, model_name, host, port, **router_options)
     finally:
         if not spec.detached:
             from router.worker_pool import named_workers

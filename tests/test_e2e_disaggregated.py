@@ -498,6 +498,51 @@ def test_a_request_the_prefill_queue_cannot_reach_in_time_is_refused_at_once(tin
         assert checks.completion(url, [1, 30, 31], 4)["usage"]["completion_tokens"] == 4  # the queue is gone
 
 
+def test_pdserve_router_attaches_a_router_process_to_running_workers(cluster, tiny_server):
+    """`pdserve router` as a real process: it finds the workers by name (mode, model and limits are
+    theirs), answers as the single engine does, and SIGTERM stops it without stopping them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cluster_harness import free_port
+
+    from services import Engine
+
+    ray_cluster, _, _ = cluster
+    _, actors, model = tiny_server
+    port = free_port()
+    command = [sys.executable, "-m", "router.cli", "router", "--address", ray_cluster.address, "--namespace",
+               "pd-tiny", "--port", str(port), "--served-model-name", "second"]
+    router = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert router.poll() is None, router.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "pdserve router did not become healthy"
+            time.sleep(0.5)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["second"]
+        prompt = [1, 80, 81, 82, 83]
+        want = Engine(model=model).generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0].text
+        body = {"model": "second", "prompt": prompt, "max_tokens": 10, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=60) == 0
+        assert "disaggregated mode, serving second" in router.stdout.read()
+        assert [ray.get(a.ping.remote()) for a in actors] == ["prefill-0", "decode-0"]  # still running
+    finally:
+        if router.poll() is None:
+            router.kill()
+            router.wait()
+
+
 def test_two_routers_share_the_named_workers(tiny_server):
     """A second router attaches to the running workers by name: streams through both routers at
     once are each the single engine's, the decode worker keeps one channel per router, and when

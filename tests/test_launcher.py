@@ -104,6 +104,18 @@ def test_cli_refuses_bad_flags(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_cli_router_flags_are_shared_by_serve_and_router():
+    for command in ("serve", "router"):
+        args = build_parser().parse_args([command, "--port", "9000", "--max-pending", "5", "--request-timeout", "3",
+                                          "--local-prefill-tokens", "auto", "--served-model-name", "m"])
+        assert (args.port, args.max_pending, args.request_timeout, args.local_prefill_tokens,
+                args.served_model_name, args.host) == (9000, 5, 3.0, None, "m", "127.0.0.1")
+    args = build_parser().parse_args(["router"])
+    assert (args.address, args.namespace, args.model, args.wait) == ("auto", "pdserve", None, 60.0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--wait", "-1"])
+
+
 def test_cli_parses_labels():
     args = build_parser().parse_args(["serve", "--prefill-labels", "a=b,c=d"])
     assert args.prefill_labels == {"a": "b", "c": "d"}
