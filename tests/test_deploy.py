@@ -30,8 +30,11 @@ def raycluster_schema() -> dict:
     return version["schema"]["openAPIV3Schema"]
 
 
-def router_argv(cluster: dict) -> list[str]:
-    command = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["lifecycle"]["postStart"]
+def router_argv(cluster: dict, group: str | None = None) -> list[str]:
+    """The `pdserve` command the head (or the worker group `group`) runs after Ray starts."""
+    pod = cluster["spec"]["headGroupSpec"] if group is None else \
+        {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}[group]
+    command = pod["template"]["spec"]["containers"][0]["lifecycle"]["postStart"]
     script = command["exec"]["command"][-1]
     words = shlex.split(script.split("nohup", 1)[1].split(">", 1)[0])
     assert words[0] == "pdserve"
@@ -64,11 +67,27 @@ def test_groups_advertise_what_the_router_command_selects():
     assert head["dashboard-host"] == "127.0.0.1" and head["num-cpus"] == "0"
 
 
-def test_router_service_exposes_only_the_router_port():
-    service = load("router-service.yaml")
-    args = build_parser().parse_args(router_argv(load("raycluster.yaml")))
+def test_router_service_exposes_only_the_routers_port():
+    cluster, service = load("raycluster.yaml"), load("router-service.yaml")
+    args = build_parser().parse_args(router_argv(cluster))
     assert [p["targetPort"] for p in service["spec"]["ports"]] == [args.port]
-    assert service["spec"]["selector"] == {"ray.io/cluster": "pdserve", "ray.io/node-type": "head"}
+    assert service["spec"]["selector"] == {"ray.io/cluster": "pdserve", "app.kubernetes.io/component": "router"}
+    selected = [name for name, pod in [("head", cluster["spec"]["headGroupSpec"])]
+                + [(g["groupName"], g) for g in cluster["spec"]["workerGroupSpecs"]]
+                if pod["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "router"]
+    assert selected == ["head", "router"]  # the router pods, never a model worker's
+
+
+def test_the_router_group_attaches_routers_like_the_heads():
+    cluster = load("raycluster.yaml")
+    head, extra = (build_parser().parse_args(argv) for argv in (router_argv(cluster), router_argv(cluster, "router")))
+    assert extra.command == "router" and extra.address == "auto" and extra.wait >= 600
+    for flag in ("host", "port", "served_model_name", "request_timeout", "max_pending", "api_key",
+                 "local_prefill_tokens"):
+        assert getattr(extra, flag) == getattr(head, flag), flag
+    assert extra.model == head.model
+    group = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}["router"]
+    assert group["rayStartParams"] == {"num-cpus": "0"} and "resources" not in group  # no worker lands there
 
 
 def test_grafana_dashboard_queries_only_series_the_router_exports():
