@@ -22,6 +22,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(process, url: str, timeout: float, what: str) -> None:
+    """Until the server `process` (a Popen with its output piped) answers /health with 200."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not become healthy"
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def two_node_cluster(num_prefill_slots: int = 2, num_decode_slots: int = 2):
     """Head (no roles), one node with `pd_prefill`, one with `pd_decode`: KV crosses nodes. The

@@ -504,9 +504,8 @@ def test_pdserve_router_attaches_a_router_process_to_running_workers(cluster, ti
     import signal
     import subprocess
     import sys
-    import time
 
-    from cluster_harness import free_port
+    from cluster_harness import free_port, wait_healthy
 
     from services import Engine
 
@@ -518,16 +517,7 @@ def test_pdserve_router_attaches_a_router_process_to_running_workers(cluster, ti
     router = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert router.poll() is None, router.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pdserve router did not become healthy"
-            time.sleep(0.5)
+        wait_healthy(router, url, 90, "pdserve router")
         assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["second"]
         prompt = [1, 80, 81, 82, 83]
         want = Engine(model=model).generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0].text

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import torch
-from cluster_harness import free_port
+from cluster_harness import free_port, wait_healthy
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -48,16 +48,7 @@ def test_serve_answers_then_sigterm_stops_everything_it_started(tiny_path):
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pdserve serve did not become healthy"
-            time.sleep(0.5)
+        wait_healthy(server, url, 120, "pdserve serve")
         body = {"prompt": [1, 5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
         answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
