@@ -189,12 +189,16 @@ def wait_ready(actors: list, names: list[str], timeout: float) -> None:
             raise RuntimeError(f"worker {name} failed to start: {error}") from None
 
 
-def stop_workers(actors: list) -> None:
+def stop_workers(actors: list, timeout: float = 10.0) -> None:
+    """Shut the workers' engines down (all at once, at most `timeout` seconds), then kill them."""
+    calls = []
     for actor in actors:
         try:
-            ray.get(actor.shutdown.remote(), timeout=10)
+            calls.append(actor.shutdown.remote())
         except Exception:  # already dead: nothing to shut down
             pass
+    ray.wait(calls, num_returns=len(calls), timeout=timeout)
+    for actor in actors:
         ray.kill(actor)
 
 
@@ -235,11 +239,21 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
         run_router(spec, model_name, host, port, **router_options)
     finally:
         if not spec.detached:
-            from router.worker_pool import named_workers
-
-            try:
-                workers = named_workers(spec.namespace)  # those started here and those `pdserve scale` added
-            except Exception:  # the cluster is going away already: what this process started
-                workers = {}
-            stop_workers(list(workers.values()) or actors)
+            # On a cluster, with those `pdserve scale` added; a local Ray goes with everything in it.
+            stop_workers(actors if local else _all_workers(spec.namespace) or actors)
         ray.shutdown()
+
+
+def _all_workers(namespace: str, timeout: float = 10.0) -> list:
+    """Every named worker of the deployment, or [] when the cluster does not answer in time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from router.worker_pool import named_workers
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        return list(pool.submit(named_workers, namespace).result(timeout=timeout).values())
+    except Exception:  # a timeout, or the cluster going away
+        return []
+    finally:
+        pool.shutdown(wait=False)

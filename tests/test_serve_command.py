@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 import torch
 from cluster_harness import free_port, wait_healthy
 
@@ -40,12 +41,17 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_serve_answers_then_sigterm_stops_everything_it_started(tiny_path):
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_serve_answers_then_a_signal_stops_everything_it_started(tiny_path, stop):
+    """SIGTERM reaches pdserve alone (a process manager); Ctrl-C in a terminal reaches its whole
+    process group, Ray's own processes included, so pdserve cleans up after a raylet already gone
+    (it used to hang asking the dead raylet for the workers' names)."""
     port = free_port()
     command = [sys.executable, "-m", "router.cli", "serve", "--model", str(tiny_path), "--port", str(port),
                "--max-num-seqs", "8", "--kv-cache-memory-gb", "0.1"]
     env = {**os.environ, "RAY_ADDRESS": ""}  # its own Ray, whatever the caller's environment says
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)  # its own process group, as a terminal gives it
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(server, url, 120, "pdserve serve")
@@ -54,7 +60,10 @@ def test_serve_answers_then_sigterm_stops_everything_it_started(tiny_path):
         assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
         started = _descendants(server.pid)  # Ray's processes and the workers
         assert "raylet" in started.values() and "gcs_server" in started.values()
-        server.send_signal(signal.SIGTERM)
+        if stop == "sigterm":
+            server.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(server.pid, signal.SIGINT)
         assert server.wait(timeout=60) == 0
         output = server.stdout.read()
         device = "cuda:0" if torch.cuda.is_available() else "cpu"  # a local GPU is shared by the two workers
