@@ -100,4 +100,4 @@ def test_grafana_dashboard_queries_only_series_the_router_exports():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {name for e in exprs for name in re.findall(r"pdserve:[a-z0-9_]+", e)}
     exported = set(METRICS.registry._names_to_collectors)
-    assert len(dashboard["panels"]) == 12 and used and used <= exported, used - exported
+    assert len(dashboard["panels"]) == 13 and used and used <= exported, used - exported
