@@ -431,7 +431,7 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
     """--local-prefill-tokens auto: the first prompt goes to the prefill worker (nothing measured yet);
     once the router has measured the hop, the KV hand-off and the prefill rate, a prompt for an idle
     decode worker stays there (it stalls no stream, and saves the hop and the hand-off). Both answers
-    are the single engine's. (Which way a busy worker goes is unit-tested: it depends on timings.)"""
+    are the single engine's; with the decode worker busy, the next such prompt goes to the prefill worker."""
     import time
 
     from services import Engine
@@ -461,6 +461,18 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
         assert text == engine.generate([second], params)[0].text
         after = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
         assert (after[prefill] - before[prefill], after[decode] - before[decode]) == (0, len(second) + 11)
+        assert METRICS.local_prefills._value.get() == local + 1
+        # A decode worker with 1,000 streams (simulated in this router's books) would stall them all:
+        # the same kind of prompt now goes to the prefill worker.
+        third = [1] + list(range(240, 300))
+        pool.workers["decode-0"].outstanding += 1000
+        try:
+            text, _ = checks.streamed_text(url, third, 12)
+        finally:
+            pool.workers["decode-0"].outstanding -= 1000
+        assert text == engine.generate([third], params)[0].text
+        final = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
+        assert (final[prefill] - after[prefill], final[decode] - after[decode]) == (len(third), 11)
         assert METRICS.local_prefills._value.get() == local + 1
 
 
