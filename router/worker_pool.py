@@ -35,6 +35,7 @@ class WorkerHandle:
     reported_queued_tokens: int = 0
     # From its stats: prompt tokens it computes per busy second (prefill workers), its matmul ceiling.
     prefill_tokens_per_second: float = 0.0
+    busy_totals: tuple[int, float] = (0, 0.0)  # (tokens computed, busy seconds) at its last report
     peak_flops: float = 0.0
 
 
@@ -52,6 +53,20 @@ def named_workers(namespace: str, known: dict[str, object] | None = None) -> dic
         except ValueError:  # removed meanwhile
             pass
     return dict(sorted(handles.items(), key=lambda item: worker_order(item[0])))
+
+
+def _track_prefill_rate(worker: WorkerHandle, stats) -> None:
+    """Tokens a prefill worker computes per busy second, a running average over the windows between
+    its reports (so it follows the load: batch size and prompt lengths move it). Busy time is all of
+    its steps' (a one-token prompt's step counts as a decode step in the worker's phase totals)."""
+    tokens, seconds = stats.num_tokens_processed, stats.prefill_seconds + stats.decode_seconds
+    last_tokens, last_seconds = worker.busy_totals
+    if tokens < last_tokens or seconds < last_seconds:  # a restarted worker counts from zero again
+        last_tokens, last_seconds = 0, 0.0
+    worker.busy_totals = (tokens, seconds)
+    if seconds - last_seconds > 0 and tokens > last_tokens:
+        rate = (tokens - last_tokens) / (seconds - last_seconds)
+        worker.prefill_tokens_per_second = running_average(worker.prefill_tokens_per_second or None, rate)
 
 
 def running_average(old: float | None, new: float, weight: float = 0.2) -> float:
@@ -131,8 +146,8 @@ class WorkerPool:
             worker.draining = stats.draining
             worker.reported_requests = stats.num_running + stats.num_waiting
             worker.reported_queued_tokens = stats.num_queued_tokens
-            if worker.role == "prefill" and stats.prefill_seconds > 0:  # over its life: steady, slow to follow load
-                worker.prefill_tokens_per_second = stats.num_tokens_processed / stats.prefill_seconds
+            if worker.role == "prefill":
+                _track_prefill_rate(worker, stats)
             for seconds, num_bytes in stats.kv_transfers:
                 self.kv_bytes_per_second = running_average(self.kv_bytes_per_second, num_bytes / max(seconds, 1e-6))
             return stats
