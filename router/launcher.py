@@ -199,7 +199,10 @@ def stop_workers(actors: list, timeout: float = 10.0) -> None:
             pass
     ray.wait(calls, num_returns=len(calls), timeout=timeout)
     for actor in actors:
-        ray.kill(actor)
+        try:
+            ray.kill(actor)
+        except Exception:  # the cluster's control store is gone: so is the actor, soon
+            pass
 
 
 def build_router_state(spec: ClusterSpec, model_name: str, **router_options):
@@ -245,15 +248,21 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
 
 
 def _all_workers(namespace: str, timeout: float = 10.0) -> list:
-    """Every named worker of the deployment, or [] when the cluster does not answer in time."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Every named worker of the deployment, or [] when the cluster does not answer in time (the
+    lookup runs on a daemon thread, which a stuck call cannot keep from exiting)."""
+    import threading
 
     from router.worker_pool import named_workers
 
-    pool = ThreadPoolExecutor(1)
-    try:
-        return list(pool.submit(named_workers, namespace).result(timeout=timeout).values())
-    except Exception:  # a timeout, or the cluster going away
-        return []
-    finally:
-        pool.shutdown(wait=False)
+    found: list = []
+
+    def look() -> None:
+        try:
+            found.extend(named_workers(namespace).values())
+        except Exception:  # the cluster going away
+            pass
+
+    thread = threading.Thread(target=look, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return [] if thread.is_alive() else found

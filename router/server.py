@@ -55,7 +55,11 @@ def attach(address: str, namespace: str, host: str, port: int, model: str | None
                                    f"start the workers with pdserve serve")
             time.sleep(1.0)
             workers = named_workers(namespace)
-        template = ray.get(next(iter(workers.values())).worker_spec.remote())
+        name, worker = next(iter(workers.items()))
+        try:
+            template = ray.get(worker.worker_spec.remote(), timeout=wait or None)
+        except Exception as error:  # still starting past the wait, or gone
+            raise RuntimeError(f"worker {name} did not describe itself: {type(error).__name__}: {error}") from None
         mode = "disaggregated" if any(name.startswith("prefill-") for name in workers) else "colocated"
         spec = ClusterSpec(model=model or template.model, mode=mode, namespace=namespace,
                            engine_options=dict(template.engine_options))

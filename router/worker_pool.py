@@ -36,6 +36,7 @@ class WorkerHandle:
     # From its stats: prompt tokens it computes per busy second (prefill workers), its matmul ceiling.
     prefill_tokens_per_second: float = 0.0
     busy_totals: tuple[int, float] = (0, 0.0)  # (tokens computed, busy seconds) at its last report
+    recent_work: tuple[float, float] = (0.0, 0.0)  # the same, decaying sums of the recent reports' increments
     peak_flops: float = 0.0
 
 
@@ -56,17 +57,20 @@ def named_workers(namespace: str, known: dict[str, object] | None = None) -> dic
 
 
 def _track_prefill_rate(worker: WorkerHandle, stats) -> None:
-    """Tokens a prefill worker computes per busy second, a running average over the windows between
-    its reports (so it follows the load: batch size and prompt lengths move it). Busy time is all of
-    its steps' (a one-token prompt's step counts as a decode step in the worker's phase totals)."""
+    """Tokens a prefill worker computes per busy second, over its recent work: each report's new
+    tokens and busy seconds are added to sums that decay by 0.8 per report, and the rate is their
+    ratio (a window weighs as much as the work in it, so a quiet window with one tiny prompt does
+    not drag it down). Busy time is all of its steps' (a one-token prompt's step is booked as
+    decode in the worker's phase totals)."""
     tokens, seconds = stats.num_tokens_processed, stats.prefill_seconds + stats.decode_seconds
     last_tokens, last_seconds = worker.busy_totals
     if tokens < last_tokens or seconds < last_seconds:  # a restarted worker counts from zero again
         last_tokens, last_seconds = 0, 0.0
     worker.busy_totals = (tokens, seconds)
-    if seconds - last_seconds > 0 and tokens > last_tokens:
-        rate = (tokens - last_tokens) / (seconds - last_seconds)
-        worker.prefill_tokens_per_second = running_average(worker.prefill_tokens_per_second or None, rate)
+    recent_tokens, recent_seconds = worker.recent_work
+    worker.recent_work = (0.8 * recent_tokens + tokens - last_tokens, 0.8 * recent_seconds + seconds - last_seconds)
+    if worker.recent_work[1] > 0:
+        worker.prefill_tokens_per_second = worker.recent_work[0] / worker.recent_work[1]
 
 
 def running_average(old: float | None, new: float, weight: float = 0.2) -> float:

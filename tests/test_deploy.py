@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import shlex
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def router_argv(cluster: dict, group: str | None = None) -> list[str]:
         {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}[group]
     command = pod["template"]["spec"]["containers"][0]["lifecycle"]["postStart"]
     script = command["exec"]["command"][-1]
-    words = shlex.split(script.split("nohup", 1)[1].split(">", 1)[0])
+    words = shlex.split(re.search(r"pdserve [^;>']+", script).group(0))
     assert words[0] == "pdserve"
     return words[1:]
 
@@ -82,12 +83,21 @@ def test_the_router_group_attaches_routers_like_the_heads():
     cluster = load("raycluster.yaml")
     head, extra = (build_parser().parse_args(argv) for argv in (router_argv(cluster), router_argv(cluster, "router")))
     assert extra.command == "router" and extra.address == "auto" and extra.wait >= 600
+    assert head.command == "serve"
     for flag in ("host", "port", "served_model_name", "request_timeout", "max_pending", "api_key",
                  "local_prefill_tokens"):
         assert getattr(extra, flag) == getattr(head, flag), flag
     assert extra.model == head.model
-    group = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}["router"]
-    assert group["rayStartParams"] == {"num-cpus": "0"} and "resources" not in group  # no worker lands there
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    router = groups["router"]
+    # No model worker can land there: it offers none of the role resources or labels they select,
+    # nor a GPU.
+    assert "resources" not in router and "labels" not in router
+    assert all("nvidia.com/gpu" not in c["resources"]["limits"] for c in router["template"]["spec"]["containers"])
+    assert router["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"] == {"path": "/health",
+                                                                                         "port": extra.port}
+    script = router["template"]["spec"]["containers"][0]["lifecycle"]["postStart"]["exec"]["command"][-1]
+    assert "until pdserve router" in script  # started again whenever it exits
 
 
 def test_grafana_dashboard_queries_only_series_the_router_exports():

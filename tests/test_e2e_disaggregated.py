@@ -465,6 +465,11 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
         # A decode worker with 1,000 streams (simulated in this router's books) would stall them all:
         # the same kind of prompt now goes to the prefill worker.
         third = [1] + list(range(240, 300))
+        # (after the previous request's claim is released: this router's loop thread does that)
+        deadline = time.monotonic() + 10
+        while pool.workers["decode-0"].outstanding:
+            assert time.monotonic() < deadline, "the previous request never released its decode worker"
+            time.sleep(0.05)
         pool.workers["decode-0"].outstanding += 1000
         try:
             text, _ = checks.streamed_text(url, third, 12)
@@ -516,6 +521,7 @@ def test_pdserve_router_attaches_a_router_process_to_running_workers(cluster, ti
     import signal
     import subprocess
     import sys
+    import time
 
     from cluster_harness import free_port, wait_healthy
 
@@ -523,6 +529,8 @@ def test_pdserve_router_attaches_a_router_process_to_running_workers(cluster, ti
 
     ray_cluster, _, _ = cluster
     _, actors, model = tiny_server
+    decode = actors[1]
+    channels_before = ray.get(decode.__ray_call__.remote(lambda self: sorted(self._channels)))
     port = free_port()
     command = [sys.executable, "-m", "router.cli", "router", "--address", ray_cluster.address, "--namespace",
                "pd-tiny", "--port", str(port), "--served-model-name", "second"]
@@ -539,6 +547,11 @@ def test_pdserve_router_attaches_a_router_process_to_running_workers(cluster, ti
         assert router.wait(timeout=60) == 0
         assert "disaggregated mode, serving second" in router.stdout.read()
         assert [ray.get(a.ping.remote()) for a in actors] == ["prefill-0", "decode-0"]  # still running
+        # Its channel to the decode worker ends with it (cancelled, or at the latest when its lease runs out).
+        deadline = time.monotonic() + 20
+        while ray.get(decode.__ray_call__.remote(lambda self: sorted(self._channels))) != channels_before:
+            assert time.monotonic() < deadline, "the stopped router's channel is still open"
+            time.sleep(0.2)
     finally:
         if router.poll() is None:
             router.kill()

@@ -134,14 +134,14 @@ def test_the_pool_measures_prefill_rates_and_kv_transfers():
     assert (prefill.prefill_tokens_per_second, prefill.peak_flops) == (6000, 2e12)
     assert decode.prefill_tokens_per_second == 0  # a decode worker's tokens are mostly decode steps
     assert pool.kv_bytes_per_second == pytest.approx(0.8 * 1e9 + 0.2 * 0.5e9)
-    # The next window: 1,000 more tokens in 0.5 s (0.4 of them in one-token, "decode", steps) runs at
-    # 2,000 tokens/s; the rate follows it as a running average. A quiet window changes nothing.
+    # The next window: 1,000 more tokens in 0.5 s (0.4 s of it in one-token, "decode", steps). The
+    # rate is the ratio of the decaying sums of work: (0.8 x 3000 + 1000) / (0.8 x 0.5 + 0.5).
     pool.workers["prefill-0"].actor.report = stats("prefill", num_tokens_processed=4000, prefill_seconds=0.6,
                                                    decode_seconds=0.4)
     asyncio.run(pool.poll())
-    assert prefill.prefill_tokens_per_second == pytest.approx(0.8 * 6000 + 0.2 * 2000)
-    asyncio.run(pool.poll())
-    assert prefill.prefill_tokens_per_second == pytest.approx(0.8 * 6000 + 0.2 * 2000)
-    pool.workers["prefill-0"].actor.report = stats("prefill", num_tokens_processed=100, prefill_seconds=0.05)
-    asyncio.run(pool.poll())  # restarted: counts from zero, 2,000 tokens/s again
-    assert prefill.prefill_tokens_per_second == pytest.approx(0.8 * (0.8 * 6000 + 0.2 * 2000) + 0.2 * 2000)
+    assert prefill.prefill_tokens_per_second == pytest.approx(3400 / 0.9)
+    asyncio.run(pool.poll())  # a window with no work leaves the ratio as it was
+    assert prefill.prefill_tokens_per_second == pytest.approx(3400 / 0.9)
+    pool.workers["prefill-0"].actor.report = stats("prefill", num_tokens_processed=10, prefill_seconds=0.05)
+    asyncio.run(pool.poll())  # restarted (counts from zero), one tiny prompt: weighs what it did
+    assert prefill.prefill_tokens_per_second == pytest.approx((0.64 * 3400 + 10) / (0.64 * 0.9 + 0.05))
