@@ -22,6 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(condition, what: str, timeout: float = 15.0, interval: float = 0.1) -> None:
+    """Until `condition()` holds; fails with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(interval)
+
+
 def wait_healthy(process, url: str, timeout: float, what: str) -> None:
     """Until the server `process` (a Popen with its output piped) answers /health with 200."""
     import httpx

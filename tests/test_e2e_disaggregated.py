@@ -7,7 +7,7 @@ import e2e_checks as checks
 import httpx
 import pytest
 import ray
-from cluster_harness import router_server, serve_router, two_node_cluster
+from cluster_harness import router_server, serve_router, two_node_cluster, wait_for
 
 from router.launcher import ClusterSpec
 from services.kv_payload import KVPayload
@@ -432,7 +432,6 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
     once the router has measured the hop, the KV hand-off and the prefill rate, a prompt for an idle
     decode worker stays there (it stalls no stream, and saves the hop and the hand-off). Both answers
     are the single engine's; with the decode worker busy, the next such prompt goes to the prefill worker."""
-    import time
 
     from services import Engine
     from services.metrics import METRICS
@@ -450,12 +449,9 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
         text, _ = checks.streamed_text(url, first, 12)
         assert text == engine.generate([first], params)[0].text
         assert placement.hop_seconds is not None and METRICS.local_prefills._value.get() == local  # it went remote
-        deadline = time.monotonic() + 10
-        while not (pool.kv_bytes_per_second and pool.best("prefill").prefill_tokens_per_second
-                   and not any(w.outstanding or w.reported_requests or w.reported_queued_tokens
-                               for w in pool.workers.values())):
-            assert time.monotonic() < deadline, "the router never measured the rates"
-            time.sleep(0.1)
+        wait_for(lambda: pool.kv_bytes_per_second and pool.best("prefill").prefill_tokens_per_second
+                 and not any(w.outstanding or w.reported_requests or w.reported_queued_tokens
+                             for w in pool.workers.values()), "the router never measured the rates", 10)
         before = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
         text, _ = checks.streamed_text(url, second, 12)
         assert text == engine.generate([second], params)[0].text
@@ -466,10 +462,8 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
         # the same kind of prompt now goes to the prefill worker.
         third = [1] + list(range(240, 300))
         # (after the previous request's claim is released: this router's loop thread does that)
-        deadline = time.monotonic() + 10
-        while pool.workers["decode-0"].outstanding:
-            assert time.monotonic() < deadline, "the previous request never released its decode worker"
-            time.sleep(0.05)
+        wait_for(lambda: not pool.workers["decode-0"].outstanding,
+                 "the previous request never released its decode worker", 10, 0.05)
         pool.workers["decode-0"].outstanding += 1000
         try:
             text, _ = checks.streamed_text(url, third, 12)
@@ -485,7 +479,6 @@ def test_a_request_the_prefill_queue_cannot_reach_in_time_is_refused_at_once(tin
     """With --request-timeout, a prompt that would wait past the deadline behind the prefill queue is
     refused now (503 + Retry-After, streamed or not: before any stream starts), not answered 504 later.
     The queue is simulated by charging the prefill worker 10 million tokens in this router's books."""
-    import time
 
     from services.metrics import METRICS
 
@@ -493,10 +486,8 @@ def test_a_request_the_prefill_queue_cannot_reach_in_time_is_refused_at_once(tin
     spec = ClusterSpec(model=model, namespace="pd-tiny", engine_options=OPTIONS)  # the same workers, by name
     with serve_router(spec, request_timeout=5.0) as (url, state):
         assert checks.completion(url, [1, 20, 21, 22], 2)["usage"]["completion_tokens"] == 2  # measures the hop
-        deadline = time.monotonic() + 10
-        while not state.pool.best("prefill").prefill_tokens_per_second:
-            assert time.monotonic() < deadline, "the router never polled the prefill rate"
-            time.sleep(0.1)
+        wait_for(lambda: state.pool.best("prefill").prefill_tokens_per_second,
+                 "the router never polled the prefill rate", 10)
         prefill = state.pool.best("prefill")
         refused = METRICS.requests_refused.labels(reason="deadline")._value.get()
         prefill.outstanding += 10**7
@@ -521,7 +512,6 @@ def test_pdserve_router_attaches_a_router_process_to_running_workers(cluster, ti
     import signal
     import subprocess
     import sys
-    import time
 
     from cluster_harness import free_port, wait_healthy
 
@@ -548,10 +538,8 @@ def test_pdserve_router_attaches_a_router_process_to_running_workers(cluster, ti
         assert "disaggregated mode, serving second" in router.stdout.read()
         assert [ray.get(a.ping.remote()) for a in actors] == ["prefill-0", "decode-0"]  # still running
         # Its channel to the decode worker ends with it (cancelled, or at the latest when its lease runs out).
-        deadline = time.monotonic() + 20
-        while ray.get(decode.__ray_call__.remote(lambda self: sorted(self._channels))) != channels_before:
-            assert time.monotonic() < deadline, "the stopped router's channel is still open"
-            time.sleep(0.2)
+        wait_for(lambda: ray.get(decode.__ray_call__.remote(lambda self: sorted(self._channels))) == channels_before,
+                 "the stopped router's channel is still open", 20, 0.2)
     finally:
         if router.poll() is None:
             router.kill()

@@ -4,13 +4,12 @@ and a stream it still runs when it is killed resumes on another with the single 
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import e2e_checks as checks
 import pytest
 import ray
-from cluster_harness import router_server, two_node_cluster
+from cluster_harness import router_server, two_node_cluster, wait_for
 
 from router.cli import build_parser, main
 from router.launcher import ClusterSpec
@@ -29,13 +28,6 @@ def cluster():
         yield nodes
 
 
-def _wait_for(condition, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def test_scale_up_then_down_with_the_router_running(cluster, tiny_path):
     from services import Engine
 
@@ -46,7 +38,7 @@ def test_scale_up_then_down_with_the_router_running(cluster, tiny_path):
         assert scale(NAMESPACE, {"prefill": 2, "decode": 2}) == {"added": ["prefill-1", "decode-1"], "removed": []}
         for name, node in (("prefill-1", prefill_node), ("decode-1", decode_node)):  # placed like their role's
             assert ray.get(ray.get_actor(name, namespace=NAMESPACE).stats.remote()).node_id == node
-        _wait_for(lambda: {w.name for w in pool.role("prefill") + pool.role("decode")}
+        wait_for(lambda: {w.name for w in pool.role("prefill") + pool.role("decode")}
                   == {"prefill-0", "prefill-1", "decode-0", "decode-1"}, "the router never found the new workers")
 
         # Two long streams at once: the second goes to decode-1 (the least loaded), which is then
@@ -58,24 +50,24 @@ def test_scale_up_then_down_with_the_router_running(cluster, tiny_path):
         decode_1 = ray.get_actor("decode-1", namespace=NAMESPACE)
         # A draining worker gets nothing new from the router (from its next stats poll on).
         ray.get(decode_1.drain.remote())
-        _wait_for(lambda: pool.workers["decode-1"].draining, "the router never saw decode-1 draining")
+        wait_for(lambda: pool.workers["decode-1"].draining, "the router never saw decode-1 draining")
         before = ray.get(decode_1.stats.remote()).num_tokens_processed
         with ThreadPoolExecutor(3) as threads:
             assert all(f.result()["usage"]["completion_tokens"] == 4 for f in
                        [threads.submit(checks.completion, url, [1, 60 + i, 61], 4) for i in range(3)])
         assert ray.get(decode_1.stats.remote()).num_tokens_processed == before
         ray.get(decode_1.drain.remote(False))  # back in service
-        _wait_for(lambda: not pool.workers["decode-1"].draining, "the router never saw decode-1 back")
+        wait_for(lambda: not pool.workers["decode-1"].draining, "the router never saw decode-1 back")
         failovers = METRICS.decode_failovers._value.get()
         with ThreadPoolExecutor(2) as threads:
             streams = [threads.submit(checks.streamed_text, url, p, 2000) for p in prompts]
-            _wait_for(lambda: ray.get(decode_1.stats.remote()).num_running == 1, "decode-1 got no stream")
+            wait_for(lambda: ray.get(decode_1.stats.remote()).num_running == 1, "decode-1 got no stream")
             assert scale(NAMESPACE, {"decode": 1}, drain_timeout=0.0) == {"added": [], "removed": ["decode-1"]}
             assert [f.result()[0] for f in streams] == want
         assert METRICS.decode_failovers._value.get() == failovers + 1  # killed mid-stream, resumed on decode-0
         with pytest.raises(ValueError):
             ray.get_actor("decode-1", namespace=NAMESPACE)
-        _wait_for(lambda: "decode-1" not in pool.workers and "decode-1" not in state.orchestrator.channels,
+        wait_for(lambda: "decode-1" not in pool.workers and "decode-1" not in state.orchestrator.channels,
                   "the router still lists the removed worker")
         checks.check_greedy_matches_engine(url, str(tiny_path), checks.prompts(3, 400), engine.tokenizer)
         assert scale(NAMESPACE, {"prefill": 1}) == {"added": [], "removed": ["prefill-1"]}
