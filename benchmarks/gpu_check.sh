@@ -70,10 +70,11 @@ run() {  # RUN_SECONDS (default 540): the whole run's budget; steps past it are 
     # Workers in the simulated multi-node clusters ask Ray for no GPU (their nodes advertise none):
     # let them see it anyway, so the disaggregated tests run prefill and decode on the GPU.
     # tests/test_gpu_workers.py clears this for its own cluster (it checks the real GPU shares).
+    local first=(tests/test_gpu_workers.py tests/test_model_vs_transformers.py tests/test_prompt_logprobs.py
+        tests/test_kv_handoff.py tests/test_prefix_cache.py tests/test_engine_stories260k.py
+        tests/test_e2e_disaggregated.py)
     TAIL=8 step tests-cuda 150 env RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 \
-        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_workers.py tests/test_model_vs_transformers.py \
-        tests/test_prompt_logprobs.py tests/test_kv_handoff.py tests/test_prefix_cache.py tests/test_engine_stories260k.py \
-        tests/test_e2e_disaggregated.py
+        python3 -m pytest -q -p no:cacheprovider "${first[@]}"
     step kv-transfer 100 python3 -m benchmarks.kv_transfer --variants xxh3 --trials 12
     step router-overhead 120 env RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks.router_overhead --requests 50 --rounds 2
     TAIL=6 step step-profile-cuda 60 python3 -m benchmarks.step_profile --device cuda --preset 1b --batch 1 32 --top 8
@@ -81,10 +82,7 @@ run() {  # RUN_SECONDS (default 540): the whole run's budget; steps past it are 
     step offline-cuda 90 python3 -m benchmarks.offline_throughput --device cuda --dtype bfloat16 \
         --hf-batch-sizes 32 --rounds 2
     TAIL=12 step tests-rest 300 env RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 \
-        python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_gpu_workers.py \
-        --ignore=tests/test_model_vs_transformers.py --ignore=tests/test_prompt_logprobs.py \
-        --ignore=tests/test_kv_handoff.py --ignore=tests/test_prefix_cache.py --ignore=tests/test_engine_stories260k.py \
-        --ignore=tests/test_e2e_disaggregated.py
+        python3 -m pytest -q -p no:cacheprovider tests "${first[@]/#/--ignore=}"
 }
 
 case "${1:-}" in
