@@ -53,15 +53,22 @@ def _check_length(state, prompt: list[int], max_tokens: int) -> None:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                             f"{max_tokens} output tokens and your prompt contains {len(prompt)} input tokens, "
                             f"for a total of {len(prompt) + max_tokens} tokens.", "max_tokens")
+    _check_token_ids(state, prompt, "prompt")
+
+
+def _check_token_ids(state, token_ids, param: str) -> None:
     vocab = state.vocab_size
-    if any(not 0 <= t < vocab for t in prompt):
-        raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    if any(not 0 <= t < vocab for t in token_ids):
+        raise APIError(400, f"{param} token ids must be in [0, {vocab})", param)
 
 
 def _params(state, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
             ) -> SamplingParams:
     if body.n > state.max_n:
         raise APIError(400, f"n must be at most {state.max_n}", "n")
+    # The engine skips ids outside its vocabulary here; a client that sent one made a mistake to hear about.
+    _check_token_ids(state, body.stop_token_ids or (), "stop_token_ids")
+    _check_token_ids(state, [int(k) for k in body.logit_bias or {}], "logit_bias")
     try:
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as error:
@@ -211,7 +218,6 @@ def tokenize(state, body: TokenizeRequest) -> dict:
 
 def detokenize(state, body: DetokenizeRequest) -> dict:
     _check_model(state, body.model)
-    if any(not 0 <= t < state.vocab_size for t in body.tokens):
-        raise APIError(400, f"token ids must be in [0, {state.vocab_size})", "tokens")
+    _check_token_ids(state, body.tokens, "tokens")
     return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 from services.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # strict: pydantic would read true/false as ids 1/0
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
@@ -60,8 +61,9 @@ class SamplingFields(BaseModel):
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit() or not math.isfinite(bias):
-                raise ValueError("keys must be token ids and values finite numbers")
+            # ASCII digits only: str.isdigit() also takes "²" and "٣", which int() reads as 3
+            if not re.fullmatch("[0-9]+", key) or not math.isfinite(bias):
+                raise ValueError("keys must be token ids (non-negative integers) and values finite numbers")
         return value
 
     @field_validator("stream_options")
@@ -94,10 +96,23 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        # Said here, in words: the union's own error for [[false]] would be "Input should be a valid string".
+        if isinstance(value, str) or not isinstance(value, list):
+            return value
+        if all(isinstance(v, str) for v in value) or all(_is_token_id(v) for v in value):
+            return value
+        if all(isinstance(v, list) and all(_is_token_id(t) for t in v) for v in value):
+            return value
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                         "token ids (token ids are integers; true and false are not)")
 
     @field_validator("prompt")
     @classmethod
@@ -105,6 +120,10 @@ class CompletionRequest(SamplingFields):
         if value == "" or value == [] or (isinstance(value, list) and any(v == "" or v == [] for v in value)):
             raise ValueError("prompt must not be empty")
         return value
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # bool is a subclass of int
 
 
 class ChatMessage(BaseModel):
@@ -147,5 +166,5 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]  # strict: pydantic would read true/false as ids 1/0
 
