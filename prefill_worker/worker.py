@@ -20,20 +20,24 @@ from services.worker_runtime import WorkerActor
 
 class PrefillWorker(WorkerActor):
     async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillResult | KVPayload]:
-        """Prefill the prompt; yields the PrefillResult, then the KVPayload."""
+        """Prefill the prompt; yields the PrefillResult, then (unless max_tokens is 1) the KVPayload."""
         # Only the first token is sampled here; min_tokens keeps masking EOS for it if asked.
         params = dataclasses.replace(request.params, max_tokens=1, min_tokens=min(request.params.min_tokens, 1))
+        # A one-token request (a scored prompt among them: max_tokens 0 with echo) ends here, so its
+        # KV would go nowhere: none is exported, and this stream has one item.
+        export_kv = request.params.max_tokens > 1
         arrived = time.perf_counter()
         stream = self.engine.submit(
             request.request_id,
-            lambda engine: engine.add_request(request.request_id, request.prompt_token_ids, params, export_kv=True))
+            lambda engine: engine.add_request(request.request_id, request.prompt_token_ids, params,
+                                              export_kv=export_kv))
         try:
             (out,) = await stream.next_batch()
         except BaseException:
             self.engine.abort(request.request_id)
             raise
         done = time.perf_counter()
-        assert out.kv is not None and out.finish_reason is not None
+        assert (out.kv is not None) == export_kv and out.finish_reason is not None
         result = PrefillResult(
             request_id=request.request_id,
             first_token_id=out.new_token_ids[0],
@@ -42,8 +46,9 @@ class PrefillWorker(WorkerActor):
             finish_reason="stop" if out.finish_reason == "stop" else None,
             num_cached_tokens=out.num_cached_tokens,
             prefill_seconds=done - arrived,
-            kv_bytes=out.kv.num_bytes,
+            kv_bytes=out.kv.num_bytes if export_kv else 0,
             worker_id=self.spec.worker_id,
         )
         yield result
-        yield out.kv
+        if export_kv:
+            yield out.kv

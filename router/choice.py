@@ -62,28 +62,23 @@ def token_id_name(token_id: int) -> str:
 
 
 def completion_logprobs(name: Callable[[int], str], token_ids: list[int], logprobs: list[dict[int, float]],
-                        text_offset: int) -> dict:
-    """The legacy completions `logprobs` object for these tokens; `name` gives a token's text."""
-    tokens = [name(t) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
+                        text_offsets: list[int]) -> dict:
+    """The legacy completions `logprobs` object for these tokens; `name` gives a token's text, and
+    `text_offsets` where each token's text begins in the returned text (`router/text_offsets.py`)."""
     return {
-        "tokens": tokens,
+        "tokens": [name(t) for t in token_ids],
         "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
         "top_logprobs": [{name(k): v for k, v in lp.items()} for lp in logprobs],
-        "text_offset": offsets,
+        "text_offset": list(text_offsets),
     }
 
 
 def prompt_completion_logprobs(name: Callable[[int], str], prompt_ids: list[int],
-                               prompt_logprobs: list[dict[int, float]]) -> dict:
+                               prompt_logprobs: list[dict[int, float]], text_offsets: list[int]) -> dict:
     """The legacy `logprobs` object for an echoed prompt: its first token has none (nothing precedes it)."""
-    first = name(prompt_ids[0])
-    rest = completion_logprobs(name, prompt_ids[1:], prompt_logprobs, len(first))
-    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
-            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+    rest = completion_logprobs(name, prompt_ids[1:], prompt_logprobs, text_offsets[1:])
+    return {"tokens": [name(prompt_ids[0])] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": text_offsets[:1] + rest["text_offset"]}
 
 
 def chat_logprobs(name: Callable[[int], str], token_ids: list[int], logprobs: list[dict[int, float]],

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from router.choice import ChoiceState, ChoiceUpdate
 from router.errors import APIError
 from services.metrics import METRICS
+from services.protocol import TokenDelta
 
 if TYPE_CHECKING:
     from router.completions import Prepared
@@ -103,6 +104,9 @@ async def _updates(state, prep: Prepared, choice: ChoiceState, start: float) -> 
                 for _ in delta.token_ids:
                     METRICS.inter_token_latency.observe((now - last) / len(delta.token_ids))
             last = now
+            if prep.prompt_only:  # max_tokens 0: the token the workers had to sample is no part of the answer
+                delta = TokenDelta([], None if delta.logprobs is None else [], delta.finish_reason and "length",
+                                   delta.num_cached_tokens, prompt_logprobs=delta.prompt_logprobs)
             yield choice.update(delta)
             if choice.finish_reason is not None:
                 return  # a stop string ended it early: closing the deltas aborts it on the worker

@@ -18,6 +18,7 @@ from router.choice import (
 from router.choice_runner import run_choices
 from router.errors import APIError
 from router.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.text_offsets import TextOffsets
 from services.sampling_params import SamplingParams
 
 
@@ -37,6 +38,10 @@ class Prepared:
     num_top_logprobs: int  # chat: top_logprobs
     tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>" (return_tokens_as_token_ids)
     continuous_usage: bool = False  # usage so far in every chunk (stream_options.continuous_usage_stats)
+    # max_tokens 0 with echo: the prompt is scored and nothing generated. The workers still run with
+    # max_tokens 1 (an engine request samples a token; so does vLLM's here): that token is dropped
+    # as it arrives (choice_runner), and a prefill worker exports no KV for a 1-token request.
+    prompt_only: bool = False
 
 
 def _check_model(state, model: str | None) -> None:
@@ -86,13 +91,15 @@ def prepare_completion(state, body: CompletionRequest, request_id: str) -> Prepa
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     for p in prompts:
         _check_length(state, p, max_tokens)
+    if max_tokens == 0 and body.min_tokens:
+        raise APIError(400, f"min_tokens must be between 0 and max_tokens (0), got {body.min_tokens}", "min_tokens")
     echo = [state.tokenizer.decode(p, skip_special_tokens=True) for p in prompts] if body.echo else None
     # echo + logprobs scores the prompt too (what evaluation harnesses ask for): prompt logprobs.
-    params = _params(state, body, max_tokens, body.logprobs, body.logprobs if body.echo else None)
+    params = _params(state, body, max(1, max_tokens), body.logprobs, body.logprobs if body.echo else None)
     return Prepared(request_id, False, state.model_name, prompts, params,
                     body.n, body.stream, body.stream_flags.include_usage, echo, 0,
                     body.return_tokens_as_token_ids,
-                    body.stream_flags.continuous_usage_stats)
+                    body.stream_flags.continuous_usage_stats, prompt_only=max_tokens == 0)
 
 
 def prepare_chat(state, body: ChatCompletionRequest, request_id: str) -> Prepared:
@@ -121,20 +128,26 @@ def usage(prep: Prepared, choices: list[ChoiceState]) -> dict:
 
 
 def _choice_body(state, prep: Prepared, choice: ChoiceState, text: str, token_ids: list[int],
-                 logprobs: list | None, finish_reason: str | None, stream: bool, first: bool) -> dict:
+                 logprobs: list | None, finish_reason: str | None, stream: bool, first: bool,
+                 offsets: TextOffsets | None = None) -> dict:
     """One choice's part of a response (all of it) or of a chunk (`text` and the tokens since the
-    last one). A completion's `echo` goes before the first: its text, and with logprobs the prompt's."""
+    last one). A completion's `echo` goes before the first: its text, and with logprobs the prompt's.
+    `offsets`: the choice's output `text_offset`s so far (completions with logprobs)."""
     echo = prep.echo_texts[choice.index // prep.n] if prep.echo_texts else ""
     name = token_id_name if prep.tokens_as_ids else state.tokenizer.token_text
     lp = None
     if logprobs is not None:
+        # Known only at the end: text still held back mid-stream (a partial character) has tokens after it.
+        end = None if finish_reason is None else len(echo) + len(choice.text)
         lp = (chat_logprobs(name, token_ids, logprobs, prep.num_top_logprobs) if prep.chat else
-              completion_logprobs(name, token_ids, logprobs, len(echo) + len(choice.text) - len(text)))
+              completion_logprobs(name, token_ids, logprobs, offsets.push(token_ids, end)))
     if not prep.chat:
         if first and echo:
             text = echo + text
             if lp is not None and choice.prompt_logprobs is not None:
-                prompt = prompt_completion_logprobs(name, choice.prompt_token_ids, choice.prompt_logprobs)
+                # The echo is the prompt decoded without its special tokens (prepare_completion).
+                at = TextOffsets(state.tokenizer, True).push(choice.prompt_token_ids, len(echo))
+                prompt = prompt_completion_logprobs(name, choice.prompt_token_ids, choice.prompt_logprobs, at)
                 lp = {key: prompt[key] + lp[key] for key in lp}
         return {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
     if stream:
@@ -162,7 +175,7 @@ async def complete(state, prep: Prepared) -> dict:
     bodies = []
     for c in ordered:
         bodies.append(_choice_body(state, prep, c, c.text, c.token_ids, logprobs.get(c.index) if c.params.logprobs
-                                   is not None else None, c.finish_reason, False, True))
+                                   is not None else None, c.finish_reason, False, True, _offsets(state, prep, c)))
     return {**_envelope(prep, int(time.time()), False), "choices": bodies, "usage": usage(prep, ordered)}
 
 
@@ -171,15 +184,18 @@ async def stream(state, prep: Prepared) -> AsyncIterator[str]:
     stream started is sent as an error event."""
     created = int(time.time())
     seen: dict[int, ChoiceState] = {}
+    offsets: dict[int, TextOffsets] = {}
     try:
         async for choice, update in run_choices(state, prep):
             first = choice.index not in seen
             seen[choice.index] = choice
+            if first:
+                offsets[choice.index] = _offsets(state, prep, choice)
             text = update.text
             if not text and update.finish_reason is None and update.logprobs is None and not first:
                 continue  # a held-back partial character or stop-string prefix: nothing to send yet
             body = _choice_body(state, prep, choice, text, update.token_ids, update.logprobs,
-                                update.finish_reason, True, first)
+                                update.finish_reason, True, first, offsets[choice.index])
             chunk = {**_envelope(prep, created, True), "choices": [body]}
             if prep.continuous_usage:
                 chunk["usage"] = usage(prep, list(seen.values()))
@@ -192,6 +208,12 @@ async def stream(state, prep: Prepared) -> AsyncIterator[str]:
     except Exception:
         yield _sse(APIError(500, "internal server error").body())
     yield "data: [DONE]\n\n"
+
+
+def _offsets(state, prep: Prepared, choice: ChoiceState) -> TextOffsets:
+    """Where the choice's output tokens begin in its text: after the echoed prompt, if any."""
+    echo = prep.echo_texts[choice.index // prep.n] if prep.echo_texts else ""
+    return TextOffsets(state.tokenizer, choice.params.skip_special_tokens, len(echo))
 
 
 def _sse(obj: dict) -> str:

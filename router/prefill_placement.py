@@ -35,7 +35,8 @@ class PrefillPlacement:
         """One remote prefill as the router saw it: `seconds` from the call to its metadata, of which
         the worker spent `prefill_seconds` (queue and compute); its KV was `kv_bytes`."""
         self.hop_seconds = running_average(self.hop_seconds, max(0.0, seconds - prefill_seconds))
-        self.kv_bytes_per_token = kv_bytes / max(1, prompt_tokens)
+        if kv_bytes:  # a one-token request's prefill exports no KV: it says nothing of the KV's size
+            self.kv_bytes_per_token = kv_bytes / max(1, prompt_tokens)
 
     def local(self, prompt_tokens: int, prefill: WorkerHandle | None, cached_tokens: int,
               decode: WorkerHandle | None, kv_bytes_per_second: float | None) -> bool:

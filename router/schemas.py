@@ -97,9 +97,10 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False  # before max_tokens, whose check reads it (fields are validated in this order)
+    # 0 only with echo: the prompt scored, nothing generated (how evaluation harnesses and vLLM do it)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -119,6 +120,14 @@ class CompletionRequest(SamplingFields):
     def _non_empty(cls, value):
         if value == "" or value == [] or (isinstance(value, list) and any(v == "" or v == [] for v in value)):
             raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1, got 0 (0 is allowed only with echo: true, which "
+                             "returns the prompt, and with logprobs its logprobs, without generating)")
         return value
 
 

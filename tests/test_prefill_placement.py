@@ -102,6 +102,8 @@ def test_the_hop_is_a_running_average_of_what_the_worker_did_not_spend():
     assert placement.hop_seconds == pytest.approx(0.8 * 0.005 + 0.2 * 0.015)
     placement.observe_prefill(0.001, 0.002, 4096, 16)  # clocks of two processes: never negative
     assert placement.hop_seconds == pytest.approx(0.8 * (0.8 * 0.005 + 0.2 * 0.015))
+    placement.observe_prefill(0.015, 0.010, 0, 16)  # a one-token request's prefill: no KV, its size unknown
+    assert placement.kv_bytes_per_token == 256
 
 
 def test_the_pool_measures_prefill_rates_and_kv_transfers():
