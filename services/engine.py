@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ class Engine:
             self.block_manager, self.model_config.eos_token_ids)
         self._seed_source = random.Random(self.config.seed)
         self._arrivals = itertools.count()
+        # Test-only pacing (EngineConfig.step_delay_s; tests also set it on a running worker).
+        self.step_delay_s = self.config.step_delay_s
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -144,6 +147,8 @@ class Engine:
         for request_id, error in failed.items():
             self.scheduler.abort(request_id)
             outputs.append(StepOutput(request_id, [], None, FinishReason.ABORT.value, 0, 0, error=error))
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         return outputs
 
     def _failed_kv_checks(self, imported: list[Sequence]) -> dict[str, BaseException]:

@@ -26,6 +26,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0  # seeds the per-request seeds drawn for requests that give none
+    # Test-only: seconds the engine thread sleeps after each step, so that a test's long request is
+    # still running when the test acts on it, however fast the host (tests/cluster_harness.py).
+    step_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -41,6 +44,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs one token)")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.step_delay_s < 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {self.step_delay_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.block_manager import BlockManager
@@ -50,9 +51,12 @@ class SampledToken:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: tuple[int, ...]):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: tuple[int, ...],
+                 clock: Callable[[], float] = time.monotonic):
+        """`clock` is the time base of `Sequence.arrival_time` (tests pass a fake one)."""
         assert config.max_num_batched_tokens >= config.max_num_seqs
         self.config = config
+        self.clock = clock
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -101,7 +105,7 @@ class Scheduler:
                 break  # first come, first served: do not let later requests overtake the head
             self.waiting.popleft()
             if seq.kv_payload is None and seq.num_preemptions == 0:  # its prompt starts here, now
-                self.queue_times.append(time.monotonic() - seq.arrival_time)
+                self.queue_times.append(self.clock() - seq.arrival_time)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

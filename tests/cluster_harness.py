@@ -46,6 +46,23 @@ def wait_healthy(process, url: str, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def set_step_delay(actors: list, seconds: float) -> None:
+    """Pace the workers' engines: a sleep of `seconds` after every step (`EngineConfig.step_delay_s`),
+    so that a long request is still running when a test acts on it, however fast the host."""
+    ray.get([a.__ray_call__.remote(lambda self, v=seconds: setattr(self.engine.engine, "step_delay_s", v))
+             for a in actors])
+
+
+@contextlib.contextmanager
+def step_delay(actors: list, seconds: float):
+    """`set_step_delay` while the block runs."""
+    set_step_delay(actors, seconds)
+    try:
+        yield
+    finally:
+        set_step_delay(actors, 0.0)
+
+
 @contextlib.contextmanager
 def two_node_cluster(num_prefill_slots: int = 2, num_decode_slots: int = 2):
     """Head (no roles), one node with `pd_prefill`, one with `pd_decode`: KV crosses nodes. The

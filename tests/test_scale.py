@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import e2e_checks as checks
 import pytest
 import ray
-from cluster_harness import router_server, two_node_cluster, wait_for
+from cluster_harness import router_server, set_step_delay, two_node_cluster, wait_for
 
 from router.cli import build_parser, main
 from router.launcher import ClusterSpec
@@ -43,9 +43,11 @@ def test_scale_up_then_down_with_the_router_running(cluster, tiny_path):
 
         # Two long streams at once: the second goes to decode-1 (the least loaded), which is then
         # removed while it streams: drained (no new work), killed, and its stream resumes on decode-0.
+        # decode-1 is paced (400 tokens would take it 20 s): its stream is still running when it
+        # is removed, however fast the host.
         prompts = [[1, 40, 41, 42, 43], [1, 50, 51, 52, 53]]
         engine = Engine(model=str(tiny_path))
-        want = [o.text for o in engine.generate(prompts, SamplingParams(max_tokens=2000, temperature=0,
+        want = [o.text for o in engine.generate(prompts, SamplingParams(max_tokens=400, temperature=0,
                                                                         ignore_eos=True))]
         decode_1 = ray.get_actor("decode-1", namespace=NAMESPACE)
         # A draining worker gets nothing new from the router (from its next stats poll on).
@@ -59,8 +61,9 @@ def test_scale_up_then_down_with_the_router_running(cluster, tiny_path):
         ray.get(decode_1.drain.remote(False))  # back in service
         wait_for(lambda: not pool.workers["decode-1"].draining, "the router never saw decode-1 back")
         failovers = METRICS.decode_failovers._value.get()
+        set_step_delay([decode_1], 0.05)
         with ThreadPoolExecutor(2) as threads:
-            streams = [threads.submit(checks.streamed_text, url, p, 2000) for p in prompts]
+            streams = [threads.submit(checks.streamed_text, url, p, 400) for p in prompts]
             wait_for(lambda: ray.get(decode_1.stats.remote()).num_running == 1, "decode-1 got no stream")
             assert scale(NAMESPACE, {"decode": 1}, drain_timeout=0.0) == {"added": [], "removed": ["decode-1"]}
             assert [f.result()[0] for f in streams] == want

@@ -95,19 +95,23 @@ def test_prefilled_sequence_joins_running_batch_and_abort_frees():
 
 
 def test_queue_time_is_recorded_once_per_prompt_computed_here():
-    sched, bm = make(num_blocks=8, block_size=4, max_num_seqs=1)
+    now = [100.0]  # a fake clock: the queue times are exact, however fast the host
+    bm = BlockManager(8, 4, False)
+    sched = Scheduler(SchedulerConfig(1, 16, 1024), bm, eos_token_ids=(2,), clock=lambda: now[0])
     a, b = seq("a", 4, 0), seq("b", 4, 1)
-    a.arrival_time -= 2.0  # arrived two seconds ago
+    a.arrival_time, b.arrival_time = 98.0, 99.5  # arrived two seconds and half a second ago
     sched.add(a)
     sched.add(b)
     step(sched)  # a runs; b waits for the one slot
-    assert len(sched.queue_times) == 1 and 2.0 <= sched.queue_times[0] < 3.0
+    assert sched.queue_times == [2.0]
+    now[0] = 103.0
     while sched.running:
         step(sched)
-    step(sched)  # now b
-    assert len(sched.queue_times) == 2
+    step(sched)  # now b, admitted at 103.0
+    assert sched.queue_times == [2.0, 3.5]
     prefilled = seq("p", 4, 2)
+    prefilled.arrival_time = 90.0
     prefilled.kv_payload = object()  # KV computed elsewhere: its queue time is the prefill worker's
     sched.add(prefilled)
     step(sched)
-    assert len(sched.queue_times) == 2
+    assert sched.queue_times == [2.0, 3.5]
