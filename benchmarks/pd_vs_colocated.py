@@ -35,7 +35,8 @@ import ray
 from benchmarks.model_folders import describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
 from benchmarks.sse_client import run_client_process
-from router.launcher import ClusterSpec, init_local_ray, start_workers, stop_workers
+from router.launcher import ClusterSpec, start_workers, stop_workers
+from router.ray_instance import init_local_ray
 from services.metrics import METRICS
 from services.model_config import ModelConfig
 from tests.cluster_harness import serve_router

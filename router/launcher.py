@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from router.ray_instance import connect_ray
 from services.engine_config import EngineConfig
 from services.model_config import ModelConfig
 from services.worker_runtime import WorkerSpec
@@ -37,6 +38,9 @@ class ClusterSpec:
     prefill_labels: dict[str, str] | None = None
     decode_labels: dict[str, str] | None = None
     engine_options: dict[str, object] = field(default_factory=dict)
+    # Per role, on top of engine_options (e.g. {"decode": {"quantization": "int8"}}: full-precision
+    # prefill workers, int8 decode workers; the KV they hand over stays in the compute dtype).
+    role_engine_options: dict[str, dict[str, object]] = field(default_factory=dict)
     pin_cpus: bool = True  # on one host: give each worker its own cores
     detached: bool = False  # workers outlive this process (a router restart keeps them)
     startup_timeout: float = 300.0
@@ -65,7 +69,11 @@ class ClusterSpec:
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be positive, got {value}")
-        EngineConfig(model=self.model, **self.engine_options)  # refuse bad engine options up front
+        for role in ("prefill", "decode"):  # refuse bad engine options up front
+            EngineConfig(model=self.model, **self.options_for(role))
+
+    def options_for(self, role: str) -> dict[str, object]:
+        return {**self.engine_options, **self.role_engine_options.get(role, {})}
 
     def labels(self, role: str) -> dict[str, str] | None:
         return self.prefill_labels if role == "prefill" else self.decode_labels
@@ -89,14 +97,6 @@ class ClusterSpec:
             return 1.0
         # A fractional share must fit on one GPU: pack ceil(workers / GPUs) workers onto each.
         return 1.0 / math.ceil(workers / int(cluster_gpus))
-
-
-def init_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> None:
-    """A one-machine Ray instance that advertises both roles; the dashboard stays off."""
-    num_workers = len(spec.roles())
-    ray.init(num_cpus=num_cpus or os.cpu_count(), namespace=spec.namespace, include_dashboard=False,
-             resources={spec.prefill_resource: num_workers, spec.decode_resource: num_workers},
-             logging_level=logging.WARNING)
 
 
 def validate_topology(spec: ClusterSpec, local: bool = False) -> None:
@@ -167,7 +167,7 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
         if spec.detached:
             options["lifetime"] = "detached"
         placement = {k: v for k, v in options.items() if k not in ("name", "namespace", "lifetime")}
-        worker_spec = WorkerSpec(name, role, spec.model, dict(spec.engine_options), cpus,
+        worker_spec = WorkerSpec(name, role, spec.model, spec.options_for(role), cpus,
                                  peak_flops=spec.peak_flops, peak_bytes_per_second=spec.peak_bytes_per_second,
                                  placement=placement)
         actors.append(ray.remote(cls).options(**options).remote(worker_spec))
@@ -229,16 +229,13 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
     """Run until Ctrl-C / SIGTERM, then stop what was started."""
     from router.server import run_router
 
-    local = address is None
-    if local:
-        init_local_ray(spec)
-    else:
-        ray.init(address=address, namespace=spec.namespace, logging_level=logging.WARNING)
+    local = connect_ray(spec, address)
     actors = []
     try:
         actors = start_workers(spec, local, node_wait=0.0 if local else spec.startup_timeout)
         for stats in ray.get([a.stats.remote("launcher") for a in actors]):
-            log.warning("pdserve: %s runs on %s (node %s)", stats.worker_id, stats.device, stats.node_id[:12])
+            log.warning("pdserve: %s runs on %s (node %s)%s; %s", stats.worker_id, stats.device, stats.node_id[:12],
+                        f", {stats.quantization} weights" if stats.quantization else "", stats.kernels)
         run_router(spec, model_name, host, port, **router_options)
     finally:
         if not spec.detached:

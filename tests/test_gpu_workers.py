@@ -10,7 +10,8 @@ import ray
 import torch
 from cluster_harness import serve_router
 
-from router.launcher import ClusterSpec, init_local_ray, start_workers, stop_workers
+from router.launcher import ClusterSpec, start_workers, stop_workers
+from router.ray_instance import init_local_ray
 from services.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs one CUDA device")]
