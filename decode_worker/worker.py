@@ -40,6 +40,12 @@ class DecodeWorker(WorkerActor):
         # gone (its process died: Ray does not stop an actor's stream when its caller dies), and
         # the requests it had here are aborted rather than left to run to max_tokens.
         self.channel_lease = 10.0
+        # Test-only fault injection: "corrupt" (flip one byte) or "lose" (fail the fetch) the next
+        # KV fetched here, so that tests drive the real prefill -> admit -> recompute path.
+        self.kv_fault: str | None = None
+        # Test-only: requests this worker reports waiting on top of its own (the routers' cost model
+        # reads them through the real stats path).
+        self.simulated_requests = 0
 
     async def channel(self, channel_id: str):
         """Yield lists of (request_id, TokenDelta), one per request that advanced, until cancelled
@@ -99,7 +105,14 @@ class DecodeWorker(WorkerActor):
         self._fetching.add(request_id)
         try:
             start = time.perf_counter()
+            fault, self.kv_fault = self.kv_fault, None
+            if fault == "lose":
+                raise LookupError("test fault: the KV object was lost")
             kv = await self.transport.fetch(kv_handle)
+            if fault == "corrupt":
+                data = kv.data.copy()
+                data.reshape(-1).view("uint8")[0] ^= 1
+                kv = dataclasses.replace(kv, data=data)  # the sender's checksum, now wrong
             self.kv_transfers.extend([(time.perf_counter() - start, kv.num_bytes)])
             return kv
         except Exception as error:  # e.g. the object died with the prefill node that held it
@@ -148,8 +161,9 @@ class DecodeWorker(WorkerActor):
     def stats(self, reader: str = "") -> WorkerStats:
         """Counters, and the samples (KV transfers, queue times) `reader` (a router's id) has not had yet."""
         failures = self.kv_fetch_failures + self.kv_check_failures
-        return dataclasses.replace(super().stats(reader), kv_transfers=self.kv_transfers.take(reader),
-                                   kv_transfer_failures=failures)
+        stats = super().stats(reader)
+        return dataclasses.replace(stats, kv_transfers=self.kv_transfers.take(reader), kv_transfer_failures=failures,
+                                   num_waiting=stats.num_waiting + self.simulated_requests)
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -14,11 +14,19 @@ import time
 from collections.abc import AsyncIterator
 
 from services.kv_payload import KVPayload
-from services.protocol import PrefillRequest, PrefillResult
+from services.protocol import PrefillRequest, PrefillResult, WorkerStats
 from services.worker_runtime import WorkerActor
 
 
 class PrefillWorker(WorkerActor):
+    # Test-only: prompt tokens this worker reports queued on top of its own, so that tests load the
+    # routers' view of it through the real stats path (a queue no test could build for real).
+    simulated_queued_tokens = 0
+
+    def stats(self, reader: str = "") -> WorkerStats:
+        stats = super().stats(reader)
+        return dataclasses.replace(stats, num_queued_tokens=stats.num_queued_tokens + self.simulated_queued_tokens)
+
     async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillResult | KVPayload]:
         """Prefill the prompt; yields the PrefillResult, then (unless max_tokens is 1) the KVPayload."""
         # Only the first token is sampled here; min_tokens keeps masking EOS for it if asked.

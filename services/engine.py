@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -53,8 +54,11 @@ class Engine:
             self.block_manager, self.model_config.eos_token_ids)
         self._seed_source = random.Random(self.config.seed)
         self._arrivals = itertools.count()
-        # Test-only pacing (EngineConfig.step_delay_s; tests also set it on a running worker).
+        # Test-only pacing (EngineConfig.step_delay_s; tests also set it on a running worker), and a
+        # gate tests clear to hold a worker's requests in flight (a step waits until it is set again).
         self.step_delay_s = self.config.step_delay_s
+        self.step_gate = threading.Event()
+        self.step_gate.set()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -135,6 +139,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """One engine iteration: schedule, run, update."""
+        self.step_gate.wait()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []

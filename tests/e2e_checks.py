@@ -1,17 +1,19 @@
 """End-to-end checks shared by the disaggregated and colocated test modules: greedy HTTP output
-(streamed and not) equals the single-engine output, the openai client works, concurrent streams
-stay separate, and a client disconnect frees the decode worker's KV."""
+(streamed and not) equals the single-engine output, and so do the openai client's answers and
+concurrent streams; a client disconnect frees the decode worker's KV."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
 import openai
 import pytest
 import ray
+from cluster_harness import step_delay, wait_for
 
 from services import Engine, SamplingParams
 from services.tokenizer import Tokenizer
@@ -25,12 +27,6 @@ def prompts(vocab_low: int, vocab_high: int) -> list[list[int]]:
 
     rng = random.Random(0)
     return [[1] + [rng.randrange(vocab_low, vocab_high) for _ in range(n - 1)] for n in PROMPT_LENGTHS]
-
-
-def solo_outputs(model: str, token_prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    engine = Engine(model=model)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.token_ids for o in engine.generate(token_prompts, params)]
 
 
 def completion(url: str, prompt, max_tokens: int, **extra) -> dict:
@@ -57,39 +53,54 @@ def streamed_text(url: str, prompt, max_tokens: int, **extra) -> tuple[str, list
 
 
 def check_greedy_matches_engine(url: str, model: str, token_prompts: list[list[int]], tokenizer) -> None:
-    want = solo_outputs(model, token_prompts, 20)
-    for prompt, expected in zip(token_prompts, want):
-        body = completion(url, prompt, 20, logprobs=0)
-        choice = body["choices"][0]
-        assert choice["finish_reason"] == "length"
-        assert choice["text"] == tokenizer.decode(expected)
-        assert len(choice["logprobs"]["tokens"]) == 20
-        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 20, "total_tokens":
-                                 len(prompt) + 20, "prompt_tokens_details": {"cached_tokens":
-                                                                            body["usage"]["prompt_tokens_details"]
-                                                                            ["cached_tokens"]}}
+    """Fresh prompts (nothing cached for them yet): each answer is the single engine's, and a repeat
+    of a prompt is served from the prefix cache as the single engine's repeat is."""
+    engine = Engine(model=model)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in engine.generate(token_prompts, params)]
+    cached_on_repeat = [o.num_cached_tokens for o in engine.generate(token_prompts, params)]
+    assert cached_on_repeat == [(len(p) - 1) // 16 * 16 for p in token_prompts]  # whole blocks, the last token left
+    for prompt, expected, cached in zip(token_prompts, want, cached_on_repeat):
+        for cached_tokens in (0, cached):  # first sent, then repeated
+            body = completion(url, prompt, 20, logprobs=0)
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "length"
+            assert choice["text"] == tokenizer.decode(expected)
+            assert len(choice["logprobs"]["tokens"]) == 20
+            assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 20, "total_tokens":
+                                     len(prompt) + 20, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
         text, chunks = streamed_text(url, prompt, 20)
         assert text == choice["text"]
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]].count("length") == 1
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20
 
 
-def check_openai_client(url: str, model_name: str) -> None:
+def check_openai_client(url: str, model_name: str, model: str) -> None:
+    """The openai package against the router: its answers (text and chat, streamed or not) are the
+    single engine's for the same prompt and parameters."""
+    engine = Engine(model=model)
+    tokenizer = Tokenizer.from_folder(model)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    want_text = engine.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0))[0]
+    want_chat = engine.generate([tokenizer.encode_chat(messages)], SamplingParams(max_tokens=10, temperature=0))[0]
+    assert want_text.text and want_chat.text
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     models = client.models.list()
     assert [m.id for m in models.data] == [model_name]
     c = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=8, temperature=0)
-    assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 8
+    assert (c.choices[0].text, c.choices[0].finish_reason) == (want_text.text, want_text.finish_reason)
+    assert c.usage.completion_tokens == len(want_text.token_ids)
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
         model=model_name, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if ch.choices)
-    assert streamed == c.choices[0].text
-    messages = [{"role": "user", "content": "Tell me a story."}]
+    assert streamed == want_text.text
     chat = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0)
     assert chat.choices[0].message.role == "assistant"
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (want_chat.text,
+                                                                                 want_chat.finish_reason)
     parts = list(client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,
                                                 stream=True))
     assert parts[0].choices[0].delta.role == "assistant"
-    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == want_chat.text
     try:
         client.completions.create(model=model_name, prompt="x", max_tokens=4, temperature=-1)
         raise AssertionError("temperature -1 was accepted")
@@ -97,9 +108,11 @@ def check_openai_client(url: str, model_name: str) -> None:
         assert error.status_code == 400 and error.body["param"] == "temperature"
 
 
-def check_concurrent_streams(url: str, token_prompts: list[list[int]], num_streams: int = 32) -> None:
+def check_concurrent_streams(url: str, model: str, token_prompts: list[list[int]], num_streams: int = 32) -> None:
+    """`num_streams` streams at once, each the single engine's text for its prompt."""
     prompts_ = [token_prompts[i % len(token_prompts)][: 3 + i] for i in range(num_streams)]
-    solo = [completion(url, p, 12)["choices"][0]["text"] for p in prompts_[:4]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.text for o in Engine(model=model).generate(prompts_, params)]
 
     async def run_all():
         async with httpx.AsyncClient(timeout=300) as client:
@@ -114,38 +127,49 @@ def check_concurrent_streams(url: str, token_prompts: list[list[int]], num_strea
 
             return await asyncio.gather(*(one(p) for p in prompts_))
 
-    texts = asyncio.run(run_all())
-    assert texts[:4] == solo
-    non_streamed = [completion(url, p, 12)["choices"][0]["text"] for p in prompts_[4:]]
-    assert texts[4:] == non_streamed
+    assert asyncio.run(run_all()) == want
+
+
+# A sleep after every step on the workers while a disconnect check runs: the request can then not
+# finish before the client leaves, nor before wait_until_idle gives up, however fast the host.
+DISCONNECT_STEP_DELAY = 0.05  # 1,000 tokens take 50 s at least; wait_until_idle waits 15 s
 
 
 def check_disconnect_frees_kv(url: str, decode_actors: list) -> None:
     body = {"prompt": [1] + list(range(10, 60)), "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     processed = sum(ray.get(a.stats.remote()).num_tokens_processed for a in decode_actors)
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
-        assert got
-        busy = [ray.get(a.stats.remote()) for a in decode_actors]
-        assert any(s.num_free_kv_blocks < s.num_kv_blocks for s in busy)
-    stats = wait_until_idle(decode_actors)
-    # it was aborted, not run to its end (1000 tokens fed)
-    assert sum(s.num_tokens_processed for s in stats) - processed < 900
+    with step_delay(decode_actors, DISCONNECT_STEP_DELAY):
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+            assert got
+            busy = [ray.get(a.stats.remote()) for a in decode_actors]
+            assert sum(s.num_running for s in busy) == 1 and any(s.num_free_kv_blocks < s.num_kv_blocks for s in busy)
+        stats = wait_until_idle(decode_actors)  # it was aborted: it could not have finished by now
+    assert sum(s.num_tokens_processed for s in stats) - processed < 1000
 
 
 def check_non_streaming_disconnect_frees_kv(url: str, decode_actors: list) -> None:
-    body = {"prompt": [1] + list(range(10, 60)), "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    """A client that leaves while its non-streamed request decodes (seen running on a decode worker,
+    holding blocks) gets it aborted there and the blocks freed."""
+    body = json.dumps({"prompt": [1] + list(range(10, 60)), "max_tokens": 1000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
     processed = sum(ray.get(a.stats.remote()).num_tokens_processed for a in decode_actors)
-    try:
-        httpx.post(url + "/v1/completions", json=body, timeout=1.0)
-        raise AssertionError("a 1500-token request finished within a second")
-    except httpx.TimeoutException:
-        pass  # the client gave up and closed the connection
-    stats = wait_until_idle(decode_actors)
-    # it was aborted, not run to its end (1000 tokens fed)
-    assert sum(s.num_tokens_processed for s in stats) - processed < 900
+    with step_delay(decode_actors, DISCONNECT_STEP_DELAY):
+        with socket.create_connection((host, int(port))) as client:  # closed by hand, mid-request
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+            def decoding() -> bool:
+                stats = [ray.get(a.stats.remote()) for a in decode_actors]
+                return any(s.num_running == 1 and s.num_free_kv_blocks < s.num_kv_blocks for s in stats)
+
+            wait_for(decoding, "the request never reached a decode worker")
+        stats = wait_until_idle(decode_actors)  # it was aborted: it could not have finished by now
+    done = sum(s.num_tokens_processed for s in stats) - processed
+    assert 0 < done < 1000
 
 
 def wait_until_idle(decode_actors: list) -> list:

@@ -27,11 +27,13 @@ def test_greedy_over_http_equals_single_engine(server):
 
 
 def test_openai_client(server):
-    checks.check_openai_client(server[0], "test-model")
+    url, _, model = server
+    checks.check_openai_client(url, "test-model", model)
 
 
 def test_concurrent_streams(server):
-    checks.check_concurrent_streams(server[0], checks.prompts(3, 500))
+    url, _, model = server
+    checks.check_concurrent_streams(url, model, checks.prompts(3, 500))
 
 
 def test_disconnect_frees_kv(server):

@@ -7,7 +7,7 @@ import e2e_checks as checks
 import httpx
 import pytest
 import ray
-from cluster_harness import router_server, serve_router, two_node_cluster, wait_for
+from cluster_harness import router_server, serve_router, step_delay, two_node_cluster, wait_for
 
 from router.launcher import ClusterSpec
 from services.kv_payload import KVPayload
@@ -54,11 +54,13 @@ def test_kv_crosses_nodes_with_its_checksum_and_is_freed_with_the_reference(tiny
     _, actors, _ = tiny_server
     prefill, decode = actors
     prompt = [1] + [5 + i % 400 for i in range(1000)]  # ~1 MB of KV: in the object store, not inline
+    _wait_for_plasma_objects(0)  # so that what is counted below is this KV
     meta, kv_ref = direct_prefill(prefill, PrefillRequest("direct", prompt, SamplingParams(temperature=0)))
     kv: KVPayload = ray.get(kv_ref)
     assert meta.kv_bytes == kv.num_bytes == 4 * 2 * len(prompt) * 2 * 16 * 4
     kv.verify(4, 2, 16, "float32")  # the checksum computed on the prefill node holds here
-    assert _plasma_objects() >= 1  # the primary copy (prefill node) and one on this node
+    # The primary copy (prefill node) and one on this node; the store's figures lag a little.
+    wait_for(lambda: _plasma_objects() >= 1, "the KV is not in the object store", 10)
     del kv, kv_ref
     _wait_for_plasma_objects(0)
     stats = ray.get(decode.stats.remote())  # drains transfers; the router's poller may have taken some
@@ -107,13 +109,13 @@ def _wait_for_plasma_objects(expected: int) -> None:
 
 
 def test_openai_client(tiny_server):
-    url, _, _ = tiny_server
-    checks.check_openai_client(url, "test-model")
+    url, _, model = tiny_server
+    checks.check_openai_client(url, "test-model", model)
 
 
 def test_concurrent_streams_interleave_and_equal_solo(tiny_server):
-    url, _, _ = tiny_server
-    checks.check_concurrent_streams(url, checks.prompts(3, 500))
+    url, _, model = tiny_server
+    checks.check_concurrent_streams(url, model, checks.prompts(3, 500))
 
 
 def test_disconnect_mid_stream_frees_decode_kv(tiny_server):
@@ -161,17 +163,19 @@ def test_kv_object_is_freed_mid_stream_once_the_decode_worker_has_it(tiny_server
     seen = []
 
     async def run():
-        params = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)  # 30 s at least, paced
         async for delta in orchestrator.generate("mid-stream", prompt, params):
             seen.append(delta)
             if len(seen) == 1:  # the first token came from prefill: the KV waits in the store
-                assert _plasma_objects() >= 1
+                wait_for(lambda: _plasma_objects() >= 1, "the KV is not in the object store", 10)
             if len(seen) == 2:  # decoding has started, so the KV was copied: the object goes away
                 _wait_for_plasma_objects(0)
                 assert ray.get(decode.stats.remote()).num_running == 1  # ...while the stream goes on
                 return  # closing the stream here aborts the request
 
-    asyncio.run(run())
+    _wait_for_plasma_objects(0)  # so that what is counted in run() is this request's KV
+    with step_delay([decode], 0.02):
+        asyncio.run(run())
 
 
 def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
@@ -182,6 +186,7 @@ def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
     url, actors, _ = tiny_server
     prefill, decode = actors
     prompt = [1, 5, 6, 7]
+    failures = ray.get(decode.stats.remote()).kv_transfer_failures
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     meta, kv_ref = direct_prefill(prefill, PrefillRequest("bad", prompt, params))
     kv = ray.get(kv_ref)
@@ -196,70 +201,79 @@ def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
     assert delta.error.startswith("KVTransferError: ") and "checksum mismatch" in delta.error
     assert delta.kv_lost  # the router may recompute the prompt (next test)
     ray.cancel(channel)
-    assert ray.get(decode.stats.remote()).kv_transfer_failures == 1
+    assert ray.get(decode.stats.remote()).kv_transfer_failures == failures + 1
     assert checks.completion(url, prompt, 5)["choices"][0]["finish_reason"] == "length"  # others go on
 
 
 
-def test_the_router_recomputes_a_prompt_whose_kv_failed_its_checksum(tiny_server):
-    """A corrupt KV fails on the decode worker (kv_lost); the orchestrator resumes the stream there
-    without KV (prompt + first token recomputed), and the tokens are the single engine's."""
-    import asyncio
-
-    import numpy as np
-
-    from router.orchestrator import Orchestrator
-    from router.worker_pool import WorkerPool
+@pytest.mark.parametrize("fault", ["corrupt", "lose"])
+def test_the_router_recomputes_a_prompt_whose_kv_is_corrupt_or_lost(tiny_server, fault):
+    """Over HTTP, through the real prefill -> admit path: the decode worker corrupts (one byte
+    flipped: the checksum fails) or loses (the fetch fails) the next KV it fetches, a test-only
+    fault; the request fails there with kv_lost, the router has the prompt recomputed on the
+    decode side, and the answer is the single engine's."""
     from services import Engine
     from services.metrics import METRICS
-    from services.protocol import DecodeRequest
 
-    _, actors, model = tiny_server
-    prefill, decode = actors
+    url, actors, model = tiny_server
+    decode = actors[1]
     prompt = [1, 9, 8, 7, 6, 5]
     params = SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
-    expected = Engine(model=model).generate([prompt], params)[0].token_ids
-    meta, kv_ref = direct_prefill(prefill, PrefillRequest("recompute", prompt, params))
-    kv = ray.get(kv_ref)
-    data = kv.data.copy()
-    data.reshape(-1).view(np.uint8)[7] ^= 1
-    bad = ray.put(KVPayload(data, kv.dtype, kv.checksum))
-    pool = WorkerPool("pd-tiny")
-    pool.discover()
-    orchestrator = Orchestrator(pool, "disaggregated")
-    request = DecodeRequest("recompute", prompt, params, meta.first_token_id, meta.first_logprobs)
+    want = Engine(model=model).generate([prompt], params)[0].text
     recomputes = METRICS.kv_recomputes._value.get()
-
-    async def run() -> list[int]:
-        try:
-            return [t async for delta in orchestrator._decode_anywhere(request, [bad]) for t in delta.token_ids]
-        finally:
-            orchestrator.shutdown()
-
-    assert [meta.first_token_id] + asyncio.run(run()) == expected
+    before = ray.get(decode.stats.remote())
+    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", fault)))
+    body = checks.completion(url, prompt, 12, temperature=0.7, seed=5)
+    assert (body["choices"][0]["text"], body["usage"]["completion_tokens"]) == (want, 12)
     assert METRICS.kv_recomputes._value.get() == recomputes + 1
-    stats = ray.get(decode.stats.remote())
-    assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+    after = checks.wait_until_idle([decode])[0]
+    assert after.kv_transfer_failures == before.kv_transfer_failures + 1
+    # Recomputed there: the prompt and the prefill's first token, then 10 steps of one token (a corrupt
+    # KV was also copied in and its first token fed, in the step that waited for the failed check).
+    wasted = 1 if fault == "corrupt" else 0
+    assert after.num_tokens_processed - before.num_tokens_processed == wasted + len(prompt) + 1 + 10
+    assert ray.get(decode.__ray_call__.remote(lambda self: self.kv_fault)) is None  # it hit this request
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
 
 def test_metrics_endpoint_reports_router_and_worker_series(tiny_server):
-    import time
-
+    """The samples one request adds, measured around it: its TTFT, 3 inter-token gaps, its latency,
+    4 + 4 tokens, one success, one prefill queue time and one KV transfer (the workers' series come
+    with a stats poll of the router: every second, and on /health)."""
     url, _, _ = tiny_server
+    httpx.get(url + "/health")  # polls the workers now: what earlier tests left pending is counted before
+    before, now = _scrape(url), {}
+
+    def added(name: str) -> float:
+        return now.get(name, 0.0) - before.get(name, 0.0)
+
+    def reported() -> bool:
+        httpx.get(url + "/health")
+        now.update(_scrape(url))
+        return bool(added("pdserve:kv_transfer_bytes_count") and added("pdserve:request_queue_time_seconds_count"))
+
     checks.completion(url, [1, 2, 3, 4], 4)
-    deadline = time.monotonic() + 10
-    while True:  # worker series arrive with the router's next stats poll (every second)
-        text = httpx.get(url + "/metrics").text
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                  if line and not line.startswith("#")}
-        if values.get("pdserve:kv_transfer_bytes_count", 0) > 0:
-            break
-        assert time.monotonic() < deadline, "no KV transfer reached the metrics"
-        time.sleep(0.2)
-    assert values["pdserve:time_to_first_token_seconds_count"] >= 1
+    wait_for(reported, "the workers' series never reached the metrics", 10, 0.2)
+    assert {name: added(name) for name in (
+        "pdserve:time_to_first_token_seconds_count", "pdserve:inter_token_latency_seconds_count",
+        "pdserve:e2e_request_latency_seconds_count", "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
+        'pdserve:request_success_total{finished_reason="length"}', "pdserve:request_prefill_time_seconds_count",
+        "pdserve:request_decode_time_seconds_count", "pdserve:request_queue_time_seconds_count",
+        "pdserve:kv_transfer_bytes_count")} == {
+        "pdserve:time_to_first_token_seconds_count": 1, "pdserve:inter_token_latency_seconds_count": 3,
+        "pdserve:e2e_request_latency_seconds_count": 1, "pdserve:prompt_tokens_total": 4,
+        "pdserve:generation_tokens_total": 4, 'pdserve:request_success_total{finished_reason="length"}': 1,
+        "pdserve:request_prefill_time_seconds_count": 1, "pdserve:request_decode_time_seconds_count": 1,
+        "pdserve:request_queue_time_seconds_count": 1, "pdserve:kv_transfer_bytes_count": 1}
+    assert added("pdserve:kv_transfer_bytes_sum") == 4 * 2 * 4 * 2 * 16 * 4  # the prompt's float32 KV, in bytes
+    values = now
     assert values['pdserve:workers_alive{role="prefill"}'] == 1
     assert values['pdserve:workers_alive{role="decode"}'] == 1
-    assert values['pdserve:request_success_total{finished_reason="length"}'] >= 1
-    assert values["pdserve:request_queue_time_seconds_count"] >= 1  # from the prefill worker
     # Per-phase efficiency: each worker's achieved rate in its own phase over its measured ceiling.
     for worker, rate, utilization, peak in (
             ("prefill-0", "prefill_flops_per_second", "prefill_flops_utilization", "peak_flops_per_second"),
@@ -274,27 +288,24 @@ def test_non_streaming_disconnect_frees_kv(tiny_server):
 
 
 def test_closing_a_channel_stops_its_requests_and_frees_their_blocks(tiny_server):
-    import time
-
     from services.protocol import DecodeRequest
 
     _, actors, _ = tiny_server
     decode = actors[1]
     total = ray.get(decode.stats.remote()).num_kv_blocks
     channel = decode.channel.remote("test-close")
-    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
-    for i in range(3):  # no KV handle: the decode worker prefills them itself
-        ray.get(decode.admit.remote(DecodeRequest(f"long-{i}", [1, 2, 3 + i], params), None, "test-close"))
-    seen: dict[str, list[int]] = {}
-    while len(seen) < 3:
-        for request_id, delta in ray.get(next(channel)):
-            seen.setdefault(request_id, []).extend(delta.token_ids)
-    assert sorted(seen) == ["long-0", "long-1", "long-2"] and ray.get(decode.stats.remote()).num_running == 3
-    ray.cancel(channel)  # the router went away: everything it had running there stops
-    deadline = time.monotonic() + 10
-    while (stats := ray.get(decode.stats.remote())).num_running or stats.num_free_kv_blocks != total:
-        assert time.monotonic() < deadline, f"still running: {stats}"
-        time.sleep(0.05)
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)  # 40 s at least, paced
+    with step_delay([decode], 0.02):
+        for i in range(3):  # no KV handle: the decode worker prefills them itself
+            ray.get(decode.admit.remote(DecodeRequest(f"long-{i}", [1, 2, 3 + i], params), None, "test-close"))
+        seen: dict[str, list[int]] = {}
+        while len(seen) < 3:
+            for request_id, delta in ray.get(next(channel)):
+                seen.setdefault(request_id, []).extend(delta.token_ids)
+        assert sorted(seen) == ["long-0", "long-1", "long-2"] and ray.get(decode.stats.remote()).num_running == 3
+        ray.cancel(channel)  # the router went away: everything it had running there stops
+        stats = checks.wait_until_idle([decode])
+    assert stats[0].num_free_kv_blocks == total
 
 
 ORPHAN_ROUTER = r"""
@@ -316,31 +327,32 @@ sys.stdin.read()  # until killed
 def test_a_dead_routers_requests_are_aborted_when_its_channel_lease_runs_out(tiny_server):
     import subprocess
     import sys
-    import time
 
-    _, actors, _ = tiny_server
+    from services import Engine
+
+    url, actors, model = tiny_server
     decode = actors[1]
+    lease, delay = 2.5, 0.02  # seconds; paced, a request of n tokens lasts at least n * delay
+    assert 1900 * delay > 10 * lease and 200 * delay > lease  # so the host's speed cannot matter
     before = ray.get(decode.stats.remote())
-    # 2.5 s: long enough for the test router's own channel, renewed every second, short enough
-    # that the orphan (1,900 tokens at a few ms each) is still running when it expires.
-    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", 2.5)))
+    # 2.5 s: long enough for the test router's own channel, renewed every second.
+    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", lease)))
     try:
-        router = subprocess.Popen([sys.executable, "-c", ORPHAN_ROUTER, ray.get_runtime_context().gcs_address,
-                                   "pd-tiny"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert router.stdout.readline().strip() == "streaming"
-        assert ray.get(decode.stats.remote()).num_running == 1
-        router.kill()  # SIGKILL: no goodbye; Ray keeps the worker's side of the stream open
-        router.wait()
-        deadline = time.monotonic() + 10
-        while (stats := ray.get(decode.stats.remote())).num_running or stats.num_free_kv_blocks != before.num_kv_blocks:
-            assert time.monotonic() < deadline, f"the orphaned request still runs: {stats}"
-            time.sleep(0.1)
-        assert stats.num_tokens_processed - before.num_tokens_processed < 1900  # aborted, not finished
-        # A live router renews its channel every second: a stream longer than the lease goes on.
-        url = tiny_server[0]
-        started = time.monotonic()
-        out = checks.completion(url, [1, 2, 3], 1500)
-        assert out["usage"]["completion_tokens"] == 1500 and time.monotonic() - started > 2.5
+        with step_delay([decode], delay):
+            router = subprocess.Popen([sys.executable, "-c", ORPHAN_ROUTER, ray.get_runtime_context().gcs_address,
+                                       "pd-tiny"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert router.stdout.readline().strip() == "streaming"
+            assert ray.get(decode.stats.remote()).num_running == 1
+            router.kill()  # SIGKILL: no goodbye; Ray keeps the worker's side of the stream open
+            router.wait()
+            wait_for(lambda: "dead-router" not in ray.get(decode.__ray_call__.remote(lambda self: list(self._channels))),
+                     "the dead router's channel was never closed", 30)
+            stats = checks.wait_until_idle([decode])
+            assert stats[0].num_tokens_processed - before.num_tokens_processed < 1900  # aborted, not finished
+            # A live router renews its channel every second: a stream that outlasts the lease goes on.
+            params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            want = Engine(model=model).generate([[1, 2, 3]], params)[0].text
+            assert checks.streamed_text(url, [1, 2, 3], 200)[0] == want
     finally:
         ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", 10.0)))
 
@@ -458,17 +470,16 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
         after = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
         assert (after[prefill] - before[prefill], after[decode] - before[decode]) == (0, len(second) + 11)
         assert METRICS.local_prefills._value.get() == local + 1
-        # A decode worker with 1,000 streams (simulated in this router's books) would stall them all:
-        # the same kind of prompt now goes to the prefill worker.
+        # A decode worker with 1,000 streams (other routers', as it reports them: a test-only knob)
+        # would stall them all: the same kind of prompt now goes to the prefill worker.
         third = [1] + list(range(240, 300))
-        # (after the previous request's claim is released: this router's loop thread does that)
-        wait_for(lambda: not pool.workers["decode-0"].outstanding,
-                 "the previous request never released its decode worker", 10, 0.05)
-        pool.workers["decode-0"].outstanding += 1000
+        ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "simulated_requests", 1000)))
         try:
+            wait_for(lambda: pool.workers["decode-0"].reported_requests == 1000,
+                     "the router never read the decode worker's streams", 10, 0.05)
             text, _ = checks.streamed_text(url, third, 12)
         finally:
-            pool.workers["decode-0"].outstanding -= 1000
+            ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "simulated_requests", 0)))
         assert text == engine.generate([third], params)[0].text
         final = {a: ray.get(a.stats.remote()).num_tokens_processed for a in actors}
         assert (final[prefill] - after[prefill], final[decode] - after[decode]) == (len(third), 11)
@@ -478,19 +489,26 @@ def test_the_cost_model_keeps_a_prompt_on_an_idle_decode_worker(cluster, tiny_pa
 def test_a_request_the_prefill_queue_cannot_reach_in_time_is_refused_at_once(tiny_server):
     """With --request-timeout, a prompt that would wait past the deadline behind the prefill queue is
     refused now (503 + Retry-After, streamed or not: before any stream starts), not answered 504 later.
-    The queue is simulated by charging the prefill worker 10 million tokens in this router's books."""
+    The queue is simulated by the prefill worker reporting 10 million tokens queued (a test-only knob),
+    which the router reads through its stats poll."""
 
     from services.metrics import METRICS
 
-    _, _, model = tiny_server
+    _, actors, model = tiny_server
     spec = ClusterSpec(model=model, namespace="pd-tiny", engine_options=OPTIONS)  # the same workers, by name
+
+    def simulate_queue(num_tokens: int) -> None:
+        ray.get(actors[0].__ray_call__.remote(lambda self: setattr(self, "simulated_queued_tokens", num_tokens)))
+        wait_for(lambda: state.pool.best("prefill").reported_queued_tokens == num_tokens,
+                 "the router never read the prefill worker's queue", 10, 0.05)
+
     with serve_router(spec, request_timeout=5.0) as (url, state):
         assert checks.completion(url, [1, 20, 21, 22], 2)["usage"]["completion_tokens"] == 2  # measures the hop
         wait_for(lambda: state.pool.best("prefill").prefill_tokens_per_second,
                  "the router never polled the prefill rate", 10)
         prefill = state.pool.best("prefill")
         refused = METRICS.requests_refused.labels(reason="deadline")._value.get()
-        prefill.outstanding += 10**7
+        simulate_queue(10**7)
         try:
             assert state.orchestrator.first_token_estimate([1, 30, 31]) > 10**7 / prefill.prefill_tokens_per_second
             for stream in (False, True):
@@ -501,7 +519,7 @@ def test_a_request_the_prefill_queue_cannot_reach_in_time_is_refused_at_once(tin
                 error = response.json()["error"]
                 assert error["code"] == 503 and "past the server's deadline of 5 s" in error["message"]
         finally:
-            prefill.outstanding -= 10**7
+            simulate_queue(0)
         assert METRICS.requests_refused.labels(reason="deadline")._value.get() == refused + 2
         assert checks.completion(url, [1, 30, 31], 4)["usage"]["completion_tokens"] == 4  # the queue is gone
 
@@ -601,8 +619,11 @@ def test_a_stop_string_ends_the_request_on_both_sides(tiny_server):
 
 def test_prompts_go_where_their_prefix_is_cached_unless_the_queue_there_costs_more(cluster, tiny_path):
     """Two prefill workers. A prompt sharing a 32-token prefix with an earlier one goes to the worker
-    that computed it (32 tokens served from its cache), even with 20 tokens queued there; with 1,000
-    queued there it goes to the other worker and is computed in full."""
+    that computed it (32 tokens served from its cache), even with a 20-token prompt queued there; with
+    1,000 queued there it goes to the other worker and is computed in full. The queued prompts are
+    real requests, held in flight on that worker (its engine's test-only step gate)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     spec = ClusterSpec(model=str(tiny_path), namespace="pd-prefix", num_prefill=2, engine_options=OPTIONS)
     shared = [1] + list(range(300, 331))  # 32 tokens: two whole blocks
     with router_server(spec) as (url, actors, state):
@@ -611,9 +632,29 @@ def test_prompts_go_where_their_prefix_is_cached_unless_the_queue_there_costs_mo
         def processed() -> dict[str, int]:
             return {name: ray.get(a.stats.remote()).num_tokens_processed for name, a in prefills.items()}
 
-        def send(prompt: list[int]) -> tuple[dict[str, int], int]:
+        def hold(name: str, held: bool) -> None:
+            gate = (lambda self: self.engine.engine.step_gate.clear()) if held else \
+                (lambda self: self.engine.engine.step_gate.set())
+            ray.get(prefills[name].__ray_call__.remote(gate))
+
+        def send(prompt: list[int], queued: list[int] | None = None) -> tuple[dict[str, int], int]:
+            """The work each prefill worker did, and `prompt`'s cached tokens; with `queued` first
+            held in flight on `first` (where its cached prefix takes it) while `prompt` is placed."""
             before = processed()
-            body = checks.completion(url, prompt, 2)
+            if queued is None:
+                body = checks.completion(url, prompt, 2)
+            else:
+                load = state.pool.workers[first]
+                hold(first, True)
+                with ThreadPoolExecutor(2) as threads:
+                    try:
+                        behind = threads.submit(checks.completion, url, queued, 2)
+                        wait_for(lambda: load.outstanding == len(queued), "the queued prompt never reached first")
+                        answer = threads.submit(checks.completion, url, prompt, 2)
+                        wait_for(lambda: answer.done() or load.outstanding > len(queued), "the prompt went nowhere")
+                    finally:
+                        hold(first, False)
+                    body, _ = answer.result(), behind.result()
             after = processed()
             return {n: after[n] - before[n] for n in after}, body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -621,13 +662,12 @@ def test_prompts_go_where_their_prefix_is_cached_unless_the_queue_there_costs_mo
         (first,) = [n for n, tokens in work.items() if tokens]
         (other,) = [n for n in prefills if n != first]
         assert (work[first], cached) == (34, 0)
-        state.pool.workers[first].outstanding += 20  # as if another request's 20 tokens were queued there
-        work, cached = send(shared + [7, 8, 9])
-        assert (work, cached) == ({first: 3, other: 0}, 32)
-        state.pool.workers[first].outstanding += 980
-        work, cached = send(shared + [10, 11])
-        assert (work, cached) == ({first: 0, other: 34}, 0)
-        state.pool.workers[first].outstanding -= 1000
+        queued = shared[:16] + [400, 401, 402, 403]  # 20 tokens; 16 of them cached on first
+        work, cached = send(shared + [7, 8, 9], queued)
+        assert (work, cached) == ({first: 4 + 3, other: 0}, 32)
+        queued = shared + [5 + i % 400 for i in range(968)]  # 1,000 tokens; 32 of them cached on first
+        work, cached = send(shared + [10, 11], queued)
+        assert (work, cached) == ({first: 968, other: 34}, 0)
 
 
 def test_echo_with_logprobs_scores_the_prompt(tiny_server):
@@ -671,3 +711,11 @@ def test_continuous_usage_stats_count_the_tokens_so_far(tiny_server):
     assert all(c["usage"]["prompt_tokens"] == len(prompt) for c in chunks)
     assert all(c["usage"]["total_tokens"] == len(prompt) + c["usage"]["completion_tokens"] for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_sampling_options_through_the_split_path_are_the_engines(tiny_server):
+    import sampling_checks
+
+    url, _, model = tiny_server
+    sampling_checks.check_sampling_options_match_engine(url, model)
+    sampling_checks.check_chat_max_completion_tokens(url, model)
