@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.engine_config import KERNEL_MODES, QUANTIZATIONS
+
 PRESETS = ("tiny", "small", "1b")
 
 
@@ -76,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-kv-blocks", type=_positive_int, default=None)
     serve.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     serve.add_argument("--no-prefix-caching", action="store_true")
+    _kernel_flags(serve)
+    serve.add_argument("--prefill-quantization", choices=("none", *QUANTIZATIONS), default=None,
+                       help="the prefill workers' (default: --quantization)")
+    serve.add_argument("--decode-quantization", choices=("none", *QUANTIZATIONS), default=None,
+                       help="the decode workers' (default: --quantization; colocated workers are decode workers)")
     serve.add_argument("--peak-tflops", type=_positive_float, default=None,
                        help="each worker's matmul peak for the efficiency gauges (default: measured at start-up)")
     serve.add_argument("--peak-gbps", type=_positive_float, default=None,
@@ -112,7 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    _kernel_flags(gen)
     return parser
+
+
+def _kernel_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", choices=("none", *QUANTIZATIONS), default="none",
+                        help="weight-only quantization of the linear layers, made at load (int8: per output channel)")
+    parser.add_argument("--kernels", choices=KERNEL_MODES, default="auto",
+                        help="auto: the fastest kernels measured on this host (cached); torch: torch's only; "
+                             "native: the native CPU kernels wherever they run")
+
+
+def _quantization(name: str | None) -> str | None:
+    return None if name == "none" else name
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:
@@ -181,11 +201,15 @@ def serve(args: argparse.Namespace) -> None:
     options = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                    kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len,
-                   enable_prefix_caching=not args.no_prefix_caching)
+                   enable_prefix_caching=not args.no_prefix_caching, kernels=args.kernels,
+                   quantization=_quantization(args.quantization))
+    role_options = {role: {"quantization": _quantization(value)} for role, value in
+                    (("prefill", args.prefill_quantization), ("decode", args.decode_quantization)) if value is not None}
     spec = ClusterSpec(model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
                        num_colocated=args.workers, namespace=args.namespace, prefill_resource=args.prefill_resource,
                        decode_resource=args.decode_resource, prefill_labels=args.prefill_labels,
-                       decode_labels=args.decode_labels, engine_options=options, pin_cpus=not args.no_pin_cpus,
+                       decode_labels=args.decode_labels, engine_options=options, role_engine_options=role_options,
+                       pin_cpus=not args.no_pin_cpus,
                        detached=args.detached, max_restarts=args.worker_restarts,
                        gpus_per_worker=args.gpus_per_worker,
                        peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
@@ -234,7 +258,8 @@ def make_model(args: argparse.Namespace) -> None:
 def generate(args: argparse.Namespace) -> None:
     from services import Engine, SamplingParams
 
-    engine = Engine(model=resolve_model(args.model), dtype=args.dtype)
+    engine = Engine(model=resolve_model(args.model), dtype=args.dtype, kernels=args.kernels,
+                    quantization=_quantization(args.quantization))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)

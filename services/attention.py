@@ -6,6 +6,7 @@ S pool slots (num_blocks * block_size), T context length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,19 +23,26 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64: each context's blocks, padded with block 0
     block_size: int
     decode_mask: torch.Tensor | None  # [B, 1, 1, T_max] bool when every query_len is 1, else None
+    context_lens_tensor: torch.Tensor | None = None  # [B] int64, the same as context_lens (decode steps)
+
+
+# (q [B, H, Dh], one layer's pool [2, S, K, Dh], meta, scale) -> [B, H, Dh]: one query per sequence
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, "AttentionMetadata", float], torch.Tensor]
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
-    """Store the new k/v in the pool, then attend causally over each sequence's context.
+    """Store the new k/v in the pool, then attend causally over each sequence's context; a decode
+    step (one query per sequence) goes to `decode_kernel` (default: the torch reference below).
 
     q: [N, H, Dh]; k, v: [N, K, Dh]; kv_cache: [2, S, K, Dh] (one layer). Returns [N, H, Dh].
     """
     kv_cache[0].index_copy_(0, meta.slot_mapping, k)
     kv_cache[1].index_copy_(0, meta.slot_mapping, v)
     if meta.decode_mask is not None:
-        return _decode_attention(q, kv_cache, meta, scale)
+        return (decode_kernel or torch_decode_attention)(q, kv_cache, meta, scale)
     out = torch.empty_like(q)
     start = 0
     for i, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
@@ -56,8 +64,10 @@ def paged_attention(
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    # One query per sequence: gather every context at once and run one batched, masked attention.
+def torch_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                           ) -> torch.Tensor:
+    """The reference decode kernel: gather every context out of the pool at once, then one batched,
+    masked SDPA. q: [B, H, Dh]; kv_cache: [2, S, K, Dh]. Returns [B, H, Dh]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[2]
     keys, values = _gather_context(kv_cache, meta.block_tables, meta.block_size, meta.decode_mask.shape[-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import threading
 import time
@@ -24,6 +25,8 @@ from services.scheduler import SampledToken, Scheduler, SchedulerConfig
 from services.sequence import FinishReason, Sequence
 from services.text_stream import TextStream
 from services.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -47,7 +50,8 @@ class Engine:
         weights = {name: w.to(self.device) for name, w in
                    load_weights(self.config.model, self.model_config, self.dtype).items()}
         self.runner = ModelRunner(self.model_config, weights, self.dtype, self.device, self.config.block_size,
-                                  num_blocks, self.max_model_len)
+                                  num_blocks, self.max_model_len, self.config.quantization, self.config.kernels)
+        log.info("%s", self.runner.model.plan.summary)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len),

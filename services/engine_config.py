@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from services.model_config import ModelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)  # weight-only, made at load from any checkpoint (services/quantized_weight.py)
+KERNEL_MODES = ("auto", "torch", "native")  # how linear/attention kernels are chosen (services/kernels/)
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0  # seeds the per-request seeds drawn for requests that give none
+    quantization: str | None = None  # None, or one of QUANTIZATIONS
+    # auto: the fastest kernel measured on this host; torch: torch's only; native: the native ones
+    # wherever they can run (what the oracle tests use, so they check those kernels)
+    kernels: str = "auto"
     # Test-only: seconds the engine thread sleeps after each step, so that a test's long request is
     # still running when the test acts on it, however fast the host (tests/cluster_harness.py).
     step_delay_s: float = 0.0
@@ -44,6 +50,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs one token)")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {self.quantization!r}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {self.step_delay_s}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -3,7 +3,9 @@
 Legend: N tokens in the flat batch, D hidden size, H query heads, K kv heads, Dh head dim,
 F intermediate size, V vocab size, L layers, S pool slots.
 Weights arrive with Hugging Face names; q/k/v and gate/up are fused at load, so each layer is
-four matrix products.
+four matrix products, each through the kernel plan's `linear` (the fastest kernel measured on this
+host for that weight and row count); with `quantization` the four and lm_head are weight-only
+quantized (the embedding lookup, norms and KV stay in the compute dtype).
 """
 
 from __future__ import annotations
@@ -16,19 +18,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
+from services.kernels.kernel_plan import KernelPlan
 from services.model_config import ModelConfig
+from services.quantized_weight import Int8Weight, quantize
 from services.rotary import RotaryEmbedding
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except one 16-bit row on CPU goes through matrix-vector (addmv): measured here it
-    streams bf16 weights at 22 GB/s against F.linear's 13 GB/s, and batch-1 decode is all this."""
-    # x: [N, in], weight: [out, in]
-    if x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
-        y = torch.mv(weight, x[0]).unsqueeze(0)
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
-
 
 # Not cuDNN's attention: it builds a plan per shape on the host (2.3 ms a call on an H200 host), and
 # a decode step's context grows by one every step, so every call missed its cache (measured:
@@ -46,30 +39,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @dataclass(slots=True)
 class DecoderLayerWeights:
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(H + 2K) * Dh, D]
+    qkv: torch.Tensor | Int8Weight  # [(H + 2K) * Dh, D]
     qkv_bias: torch.Tensor | None  # [(H + 2K) * Dh]
     q_norm: torch.Tensor | None  # [Dh]
     k_norm: torch.Tensor | None  # [Dh]
-    o: torch.Tensor  # [D, H * Dh]
+    o: torch.Tensor | Int8Weight  # [D, H * Dh]
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2F, D]
-    down: torch.Tensor  # [D, F]
+    gate_up: torch.Tensor | Int8Weight  # [2F, D]
+    down: torch.Tensor | Int8Weight  # [D, F]
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 device: torch.device) -> None:
+                 device: torch.device, quantization: str | None = None, kernels: str = "auto") -> None:
         self.config = config
+        self.quantization = quantization
         self.scale = config.head_dim**-0.5
         self.embed = weights["model.embed_tokens.weight"]  # [V, D]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = quantize(self.embed if config.tie_word_embeddings else weights["lm_head.weight"], quantization)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config, max_positions, device)
+        matrices = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.plan = KernelPlan.choose(matrices, (config.num_heads, config.num_kv_heads, config.head_dim),
+                                      self.embed.dtype, device, kernels)
+        self.decode_kernel = self.plan.decode_attention
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> DecoderLayerWeights:
         attn = p + "self_attn."
-        qkv = torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"])
+        qkv = quantize(torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]), self.quantization)
         bias = torch.cat([w.pop(attn + f"{n}_proj.bias") for n in "qkv"]) if self.config.attention_bias else None
         return DecoderLayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
@@ -77,10 +75,11 @@ class LlamaModel:
             qkv_bias=bias,
             q_norm=w.get(attn + "q_norm.weight") if self.config.qk_norm else None,
             k_norm=w.get(attn + "k_norm.weight") if self.config.qk_norm else None,
-            o=w[attn + "o_proj.weight"],
+            o=quantize(w[attn + "o_proj.weight"], self.quantization),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
-            down=w[p + "mlp.down_proj.weight"],
+            gate_up=quantize(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
+                             self.quantization),
+            down=quantize(w[p + "mlp.down_proj.weight"], self.quantization),
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -96,16 +95,16 @@ class LlamaModel:
                 h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
                                         rope, meta, layer_cache)
                 x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-                gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
-                h = h + linear(F.silu(gate) * up, layer.down)
+                gate, up = self.plan.linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
+                h = h + self.plan.linear(F.silu(gate) * up, layer.down)
         h = rms_norm(h[logit_indices], self.final_norm, self.config.rms_norm_eps)  # [M, D]
-        return linear(h, self.lm_head).float()
+        return self.plan.linear(h, self.lm_head).float()
 
     def _attention(self, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata, layer_cache: torch.Tensor) -> torch.Tensor:
         c = self.config
         num_tokens, h, kv = x.shape[0], c.num_heads, c.num_kv_heads
-        qkv = linear(x, layer.qkv, layer.qkv_bias).view(num_tokens, h + 2 * kv, c.head_dim)  # heads: q | k | v
+        qkv = self.plan.linear(x, layer.qkv, layer.qkv_bias).view(num_tokens, h + 2 * kv, c.head_dim)  # heads: q | k | v
         v = qkv[:, h + kv :]
         if layer.q_norm is None:  # q and k are adjacent heads: rotate them in one pass
             qk = self.rotary.apply(qkv[:, : h + kv], *rope)
@@ -113,5 +112,5 @@ class LlamaModel:
         else:  # (Qwen3) each normalised with its own weight first
             q = self.rotary.apply(rms_norm(qkv[:, :h], layer.q_norm, c.rms_norm_eps), *rope)
             k = self.rotary.apply(rms_norm(qkv[:, h : h + kv], layer.k_norm, c.rms_norm_eps), *rope)
-        o = paged_attention(q, k, v, layer_cache, meta, self.scale)  # [N, H, Dh]
-        return linear(o.reshape(num_tokens, -1), layer.o)
+        o = paged_attention(q, k, v, layer_cache, meta, self.scale, self.decode_kernel)  # [N, H, Dh]
+        return self.plan.linear(o.reshape(num_tokens, -1), layer.o)

@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from services.cache_folder import cache_root
 from services.model_config import SUPPORTED_DTYPES, ModelConfig, RopeScaling
 from services.preset_tokenizer import (
     BOS_ID,
@@ -123,8 +124,7 @@ def write_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: str | No
 
 def default_model_dir() -> Path:
     """Where the default tiny model lives: `$PDSERVE_CACHE` or ~/.cache/pdserve, then models/tiny-seed0."""
-    root = os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve"
-    return Path(root) / "models" / "tiny-seed0"
+    return cache_root() / "models" / "tiny-seed0"
 
 
 def ensure_default_model() -> Path:

@@ -24,12 +24,13 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, block_size: int, num_blocks: int, max_model_len: int) -> None:
+                 device: torch.device, block_size: int, num_blocks: int, max_model_len: int,
+                 quantization: str | None = None, kernels: str = "auto") -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
-        self.model = LlamaModel(config, weights, max_model_len, device)
+        self.model = LlamaModel(config, weights, max_model_len, device, quantization, kernels)
         # The pool: [L, 2, num_blocks, block_size, K, Dh]; kernels address it by flat slot.
         self.kv_cache = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
                                     config.head_dim, dtype=dtype, device=device)
@@ -99,13 +100,13 @@ class ModelRunner:
         pos = self._tensor(positions)
         slot_mapping = block_tables[self._tensor(seq_index), pos // bs] * bs + pos % bs  # [N]
         context_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        decode_mask = None
+        decode_mask = lens = None
         if all(n == 1 for n in batch.num_new_tokens):
+            lens = self._tensor(context_lens)
             ctx = torch.arange(max(context_lens), device=self.device)
-            valid = ctx[None, :] < self._tensor(context_lens)[:, None]
-            decode_mask = valid[:, None, None, :]  # [B, 1, 1, T_max]
+            decode_mask = (ctx[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, T_max]
         return AttentionMetadata(slot_mapping, list(batch.num_new_tokens), context_lens, block_tables, bs,
-                                 decode_mask)
+                                 decode_mask, lens)
 
     def _slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
         pos = torch.arange(num_tokens, device=self.device)

@@ -99,6 +99,8 @@ class WorkerStats:
     num_queued_tokens: int = 0  # tokens its running and waiting requests have yet to compute (all routers')
     draining: bool = False  # being removed (`pdserve scale`): routers send it nothing new
     device: str = "cpu"  # where its engine runs ("cuda:0"): a GPU node's worker that shows "cpu" was given no GPU
+    quantization: str | None = None  # its weights' format (None: the compute dtype)
+    kernels: str = ""  # the kernels chosen on its host, one line (services/kernels/kernel_plan.py)
     kv_transfers: tuple[tuple[float, int], ...] = ()  # (seconds, bytes) of KV fetched since the last call
     kv_transfer_failures: int = 0
     queue_times: tuple[float, ...] = ()  # seconds prompts waited for their first step, since the last call

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.quantized_weight import Int8Weight
+
 
 @dataclass(frozen=True)
 class ModelCost:
@@ -28,7 +30,10 @@ class ModelCost:
         seen: set[int] = set()
         counts = {"layer": 0, "head": 0, "bytes": 0}
 
-        def add(tensor: torch.Tensor | None, key: str | None) -> None:
+        def add(tensor: torch.Tensor | Int8Weight | None, key: str | None) -> None:
+            if isinstance(tensor, Int8Weight):  # quantized: its parameters, and the bytes it really reads
+                add(tensor.scale, None)
+                tensor = tensor.qweight
             if tensor is None or tensor.data_ptr() in seen:
                 return
             seen.add(tensor.data_ptr())
@@ -41,7 +46,7 @@ class ModelCost:
         for layer in model.layers:
             for field in dataclasses.fields(layer):
                 tensor = getattr(layer, field.name)
-                add(tensor, "layer" if tensor is not None and tensor.dim() == 2 else None)
+                add(tensor, "layer" if tensor is not None and len(tensor.shape) == 2 else None)
         c = model.config
         return cls(counts["layer"], counts["head"], counts["bytes"], 4 * c.num_layers * c.num_heads * c.head_dim,
                    kv_bytes_per_token)

@@ -95,6 +95,7 @@ def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks, que
         num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
         num_tokens_processed=e.num_tokens_processed, num_prefix_queries=bm.num_prefix_queries,
         num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps, device=str(e.device), draining=draining,
+        quantization=e.config.quantization, kernels=e.runner.model.plan.summary,
         num_queued_tokens=_queued_tokens(e.scheduler),
         prefill_flops=phases.prefill_flops, prefill_seconds=phases.prefill_seconds,
         decode_bytes=phases.decode_bytes, decode_seconds=phases.decode_seconds,

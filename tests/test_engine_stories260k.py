@@ -41,14 +41,18 @@ def test_first_greedy_tokens_match_the_reference_c_implementation(stories_path):
     assert out.text == " ".join(f"⟨{t}⟩" for t in out.token_ids)
 
 
-def test_one_at_a_time(stories_path, expected):
-    engine = Engine(model=stories_path, enable_prefix_caching=False)
+# "native": the native CPU kernels (skinny matmuls, paged decode attention) wherever they run; "torch":
+# torch's only. Both must give transformers' tokens.
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_one_at_a_time(stories_path, expected, kernels):
+    engine = Engine(model=stories_path, enable_prefix_caching=False, kernels=kernels)
     for p, want in zip(prompts(), expected):
         assert engine.generate([p], GREEDY)[0].token_ids == want
 
 
-def test_batched(stories_path, expected):
-    engine = Engine(model=stories_path)
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_batched(stories_path, expected, kernels):
+    engine = Engine(model=stories_path, kernels=kernels)
     assert [o.token_ids for o in engine.generate(prompts(), GREEDY)] == expected
 
 

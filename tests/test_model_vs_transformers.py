@@ -65,7 +65,8 @@ def model_pair(request, tmp_path_factory):
     tiny = write_model("tiny", tmp_path_factory.mktemp("tok"), seed=0)  # borrow a tokenizer
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((tiny / name).read_bytes())
-    return hf, Engine(model=folder, dtype="float32", block_size=4, max_num_batched_tokens=64)
+    return hf, {kernels: Engine(model=folder, dtype="float32", block_size=4, max_num_batched_tokens=64, kernels=kernels)
+                for kernels in ("native", "torch")}
 
 
 def engine_logits(engine: Engine, prompt: list[int], chunk: int) -> torch.Tensor:
@@ -88,8 +89,10 @@ def engine_logits(engine: Engine, prompt: list[int], chunk: int) -> torch.Tensor
     return torch.cat(rows)
 
 
-def test_prefill_and_decode_logits_match(model_pair):
-    hf, engine = model_pair
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_prefill_and_decode_logits_match(model_pair, kernels):
+    hf, engines = model_pair
+    engine = engines[kernels]
     prompt = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]

@@ -1,0 +1,219 @@
+"""Which kernel runs each linear layer and the decode attention, chosen on this host by measurement.
+
+At engine start every distinct weight (shape and format) is timed with each candidate kernel for
+each row-count bucket (1, 2-8, 9-64, more), and the fastest is kept; the choices are cached per CPU
+model, torch version, native build and thread count in the pdserve cache folder, so the next start
+on the same host measures nothing. The model calls one seam, `plan.linear(x, weight, bias)`.
+
+Why measure instead of a rule: the same kernel wins by 2x on one CPU and loses by 2x on another
+(bf16 `torch.mv` beat `F.linear` on an AMX Xeon and ran at half its speed on a Zen 4 EPYC).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from types import ModuleType
+
+import torch
+
+from services.attention import AttentionMetadata, DecodeKernel, torch_decode_attention
+from services.cache_folder import cache_root
+from services.engine_config import KERNEL_MODES
+from services.kernels import native as native_build
+from services.kernels.linear_candidates import LinearFn, candidates
+from services.quantized_weight import Int8Weight
+
+log = logging.getLogger(__name__)
+
+BUCKETS = ("1", "2-8", "9-64", "65+")
+PROBE_ROWS = (1, 4, 32, 128)  # the row count each bucket is timed at
+MAX_ROWS = (1, 8, 64, 1 << 62)
+
+
+def bucket_of(rows: int) -> int:
+    return 0 if rows == 1 else 1 if rows <= 8 else 2 if rows <= 64 else 3
+
+
+def weight_key(weight: torch.Tensor | Int8Weight) -> tuple:
+    fmt = "int8" if isinstance(weight, Int8Weight) else str(weight.dtype).removeprefix("torch.")
+    return (*weight.shape, fmt)
+
+
+@dataclass
+class KernelPlan:
+    """The chosen kernel per weight key and bucket, and the decode attention's."""
+
+    linear_choices: dict[tuple, tuple[str, ...]]  # weight_key -> a candidate name per bucket
+    attention_choice: str  # "torch" | "native"
+    native: ModuleType | None
+    device: torch.device
+    summary: str = ""
+    _table: dict[tuple, tuple[LinearFn, ...]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for key, names in self.linear_choices.items():
+            self._table[key] = tuple(self._fn(key, names[b], b) for b in range(len(BUCKETS)))
+
+    def _fn(self, key: tuple, name: str, bucket: int) -> LinearFn:
+        return candidates(key[-1] == "int8", self.device.type == "cpu", key[1], MAX_ROWS[bucket], self.native)[name]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """y = x @ weight^T (+ bias); x: [M, K], weight [N, K] (any format) -> [M, N]."""
+        return self._table[weight_key(weight)][bucket_of(x.shape[0])](x, weight, bias)
+
+    @property
+    def decode_attention(self) -> DecodeKernel:
+        if self.attention_choice == "native":
+            module = self.native
+
+            def native_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float):
+                return module.paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens_tensor,
+                                                     meta.block_size, scale)
+            return native_decode
+        return torch_decode_attention
+
+    def describe(self) -> dict[str, object]:
+        """For stats() and logs: the native build's state and every choice."""
+        return {"native": self.native is not None, "attention": self.attention_choice,
+                "linear": {"x".join(map(str, k[:-1])) + " " + k[-1]: dict(zip(BUCKETS, v))
+                           for k, v in self.linear_choices.items()}}
+
+    @classmethod
+    def choose(cls, weights: list[torch.Tensor | Int8Weight], attention_shape: tuple[int, int, int],
+               dtype: torch.dtype, device: torch.device, mode: str = "auto") -> KernelPlan:
+        """Measure (or read from the cache) the fastest kernel for each distinct weight and bucket.
+
+        attention_shape: (query heads, kv heads, head dim) of the decode attention.
+        """
+        if mode not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+        native = native_build.load() if device.type == "cpu" and mode != "torch" else None
+        cache = ChoiceCache.open(native)
+        started, cpu_started, measured = time.perf_counter(), time.process_time(), 0
+        choices: dict[tuple, tuple[str, ...]] = {}
+        for weight in weights:
+            key = weight_key(weight)
+            if key in choices:
+                continue
+            names = []
+            for b, rows in enumerate(PROBE_ROWS):
+                found = candidates(isinstance(weight, Int8Weight), device.type == "cpu", weight.shape[1], MAX_ROWS[b],
+                                   native)
+                if mode == "native" and "native" in found:
+                    found = {"native": found["native"]}
+                entry = f"linear {'x'.join(map(str, key[:-1]))} {key[-1]} rows {BUCKETS[b]} among {','.join(sorted(found))}"
+                name = cache.get(entry, found)
+                if name is None:
+                    x = torch.randn(rows, weight.shape[1], device=device).to(dtype)
+                    name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows)
+                    measured += len(found) > 1 and cache.put(entry, name)
+                names.append(name)
+            choices[key] = tuple(names)
+        attention = "torch"
+        if native is not None:
+            found = {"torch": torch_decode_attention, "native": cls({}, "native", native, device).decode_attention}
+            if mode == "native":
+                attention = "native"
+            else:
+                entry = "decode attention H{} K{} Dh{} {}".format(*attention_shape, dtype)
+                attention = cache.get(entry, found) or _fastest_attention(found, attention_shape, dtype)
+                measured += cache.put(entry, attention)
+        # Timings taken while other processes held our cores say little: use them for this run only.
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        busy = device.type == "cpu" and cpu < 0.7 * wall * torch.get_num_threads()
+        if not busy:
+            cache.save()
+        plan = cls(choices, attention, native, device)
+        where = (f"measured {measured} in {wall:.1f} s{', host busy: not cached' if busy else ''}" if measured
+                 else "from the cache")
+        plan.summary = (f"kernels on {native_build.cpu_model()}, {torch.get_num_threads()} threads, mode {mode} "
+                        f"({where}): native {'built' if native else 'off'}; decode attention {attention}; linear "
+                        + "; ".join(f"{k}: {'/'.join(v.values())}" for k, v in plan.describe()["linear"].items()))
+        return plan
+
+
+def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int) -> str:
+    if len(fns) == 1:
+        return next(iter(fns))
+    best = dict.fromkeys(fns, float("inf"))
+    with torch.inference_mode():
+        for fn in fns.values():
+            fn()  # warm-up: first calls allocate and pack
+        for round_ in range(3 if rows > 64 else 7):  # interleaved, so a noisy moment hits every candidate
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best[name] = min(best[name], time.perf_counter() - start)
+            if round_ == 0:  # a candidate 3x slower than the best will not win: stop timing it
+                fns = {n: f for n, f in fns.items() if best[n] <= 3 * min(best.values())}
+    return min(best, key=best.get)
+
+
+def _fastest_attention(fns: dict[str, DecodeKernel], shape: tuple[int, int, int], dtype: torch.dtype) -> str:
+    heads, kv_heads, head_dim = shape
+    num_seqs, context, block_size = 4, 256, 16
+    cache = torch.randn(2, num_seqs * context, kv_heads, head_dim).to(dtype)
+    q = torch.randn(num_seqs, heads, head_dim).to(dtype)
+    tables = torch.randperm(num_seqs * context // block_size).view(num_seqs, -1)
+    lens = [context] * num_seqs
+    mask = torch.ones(num_seqs, 1, 1, context, dtype=torch.bool)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), [1] * num_seqs, lens, tables, block_size, mask,
+                             torch.tensor(lens))
+    return _fastest({n: partial(f, q, cache, meta, head_dim**-0.5) for n, f in fns.items()},
+                    torch.device("cpu"), num_seqs)
+
+
+@dataclass
+class ChoiceCache:
+    """Choices measured on this host before, in `<cache>/kernels/choices.json`, keyed by the host."""
+
+    path: os.PathLike
+    host: str
+    entries: dict[str, str]
+    dirty: bool = False
+
+    @classmethod
+    def open(cls, native: ModuleType | None) -> ChoiceCache:
+        host = (f"{native_build.cpu_model()} | torch {torch.__version__} | native "
+                f"{native_build.build_key() if native else 'off'} | {torch.get_num_threads()} threads")
+        path = cache_root() / "kernels" / "choices.json"
+        return cls(path, host, _read_json(path).get(host, {}))
+
+    def get(self, entry: str, found: dict) -> str | None:
+        name = self.entries.get(entry)
+        return name if name in found else None
+
+    def put(self, entry: str, name: str) -> int:
+        if self.entries.get(entry) == name:
+            return 0
+        self.entries[entry], self.dirty = name, True
+        return 1
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        everything = _read_json(self.path)  # other hosts' and other processes' entries stay
+        everything.setdefault(self.host, {}).update(self.entries)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(everything, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+def _read_json(path: os.PathLike) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

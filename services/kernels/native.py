@@ -1,0 +1,94 @@
+"""The native CPU kernels (the C++ files beside this one), compiled on this host on first use with
+its own instruction set (`-march=native`) and cached under the pdserve cache folder, keyed by the
+sources, the flags, torch's version and the CPU, so later starts load them in milliseconds.
+
+Compiling on the host, not at packaging time, is what lets one source use AVX-512 where the CPU has
+it and stay correct where it does not. `make` builds them once at install (`python -m
+services.kernels.native`), so a first request never waits for the compiler. Where nothing can be
+compiled (no compiler, no ninja) the engine keeps torch's kernels, saying so in one log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from services.cache_folder import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("bindings.cpp", "skinny_linear.cpp", "paged_decode_attention.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's own libgomp
+DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"  # "0": never compile or load them
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name ("AMD EPYC", "Intel(R) Xeon(R) ...") for logs, figures and cache keys."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_key() -> str:
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((here / name).read_bytes())
+    for part in (*CFLAGS, torch.__version__, sys.version, cpu_model(), _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+@cache
+def load() -> ModuleType | None:
+    """The compiled module (`skinny_linear`, `paged_decode_attention`), or None where it cannot be had."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        log.info("native kernels off (%s=0): torch's kernels only", DISABLE_ENV)
+        return None
+    from torch.utils import cpp_extension
+
+    # The `ninja` package installs its binary beside this interpreter; a Ray worker or a
+    # `.venv/bin/python` run without an activated venv does not have that folder on PATH.
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    key = build_key()
+    build_dir = cache_root() / "kernels" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    here = Path(__file__).parent
+    try:  # torch's own lock in build_dir makes concurrent first starts wait for one build
+        return cpp_extension.load(name=f"pdserve_kernels_{key}", sources=[str(here / s) for s in SOURCES],
+                                  extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                                  build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a compiler error: torch's kernels still work
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.warning("native CPU kernels unavailable, using torch's (%s: %s)", type(exc).__name__, first_line[:200])
+        return None
+
+
+if __name__ == "__main__":  # the install step: build once, say where
+    logging.basicConfig(level=logging.INFO)
+    module = load()
+    print(f"native kernels: {'built in ' + str(cache_root() / 'kernels' / build_key()) if module else 'unavailable'}")

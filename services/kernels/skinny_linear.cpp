@@ -1,0 +1,157 @@
+// Skinny matrix products for decode: y = x @ W^T (+ bias) with few rows of x, streaming W once.
+//
+// Legend: M rows of x (1..a few; decode batch), K input features, N output features.
+//   x:     [M, K]  float32 / bfloat16 / float16 (converted to float32 once, it is small)
+//   w:     [N, K]  float32 / bfloat16 / float16, or int8 with scale [N] float32 (per output row,
+//                  symmetric: w_real[n, k] = w[n, k] * scale[n])
+//   bias:  [N]     optional, x's dtype
+//   y:     [M, N]  x's dtype, accumulated in float32 and rounded once (as torch's CPU linear does)
+//
+// Why: a decode step is a chain of these products, and all it does is read W. torch's CPU paths
+// stream 16-bit weights at half the read bandwidth on some hosts (see issue "decode at the
+// bandwidth limit"); this loop converts each W element to float32 in registers and keeps four rows'
+// dot products in flight, so the only limit is how fast memory delivers W. Threads split N.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 4;  // W rows per block: four independent accumulator chains per x row
+constexpr int64_t kMaxTileM = 4;  // x rows per pass over a W block (4 x 4 accumulators fit in registers)
+
+inline float scalar_to_float(float v) { return v; }
+inline float scalar_to_float(at::BFloat16 v) { return static_cast<float>(v); }
+inline float scalar_to_float(at::Half v) { return static_cast<float>(v); }
+inline float scalar_to_float(int8_t v) { return static_cast<float>(v); }
+
+#if defined(__AVX512F__)
+// 16 consecutive elements of W as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 is the top half of a float32
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// acc[m][r] = dot(x[m, :], w[n0 + r, :]) for m < MT, r < kRows. x: [MT, K] float32 rows `x_stride` apart.
+template <typename W, int MT>
+void dot_block(const float* x, int64_t x_stride, const W* w, int64_t K, float acc[kMaxTileM][kRows]) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 vacc[MT][kRows];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[kRows];
+    for (int r = 0; r < kRows; ++r) wv[r] = load16(w + r * K + k);
+    for (int m = 0; m < MT; ++m) {
+      __m512 xv = _mm512_loadu_ps(x + m * x_stride + k);
+      for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_fmadd_ps(xv, wv[r], vacc[m][r]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_reduce_add_ps(vacc[m][r]);
+#else
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) acc[m][r] = 0.f;
+#endif
+  for (; k < K; ++k)  // the tail (or, without AVX-512, everything: the compiler vectorizes it)
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kRows; ++r) acc[m][r] += x[m * x_stride + k] * scalar_to_float(w[r * K + k]);
+}
+
+// One W row against MT x rows (the last N % kRows rows).
+template <typename W, int MT>
+void dot_row(const float* x, int64_t x_stride, const W* w, int64_t K, float acc[kMaxTileM]) {
+  for (int m = 0; m < MT; ++m) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += x[m * x_stride + k] * scalar_to_float(w[k]);
+    acc[m] = s;
+  }
+}
+
+template <typename W, int MT>
+void tile(const float* x, int64_t K, const W* w, int64_t n_begin, int64_t n_end, const float* scale,
+          float* y, int64_t N) {
+  // x: [MT, K] float32; y: [MT, N] float32 (this tile's rows of the output)
+  float acc[kMaxTileM][kRows];
+  int64_t n = n_begin;
+  for (; n + kRows <= n_end; n += kRows) {
+    dot_block<W, MT>(x, K, w + n * K, K, acc);
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kRows; ++r) y[m * N + n + r] = acc[m][r] * (scale ? scale[n + r] : 1.f);
+  }
+  for (; n < n_end; ++n) {
+    float row[kMaxTileM];
+    dot_row<W, MT>(x, K, w + n * K, K, row);
+    for (int m = 0; m < MT; ++m) y[m * N + n] = row[m] * (scale ? scale[n] : 1.f);
+  }
+}
+
+template <typename W>
+void run_tile(int64_t mt, const float* x, int64_t K, const W* w, int64_t n0, int64_t n1, const float* scale,
+              float* y, int64_t N) {
+  switch (mt) {
+    case 1: tile<W, 1>(x, K, w, n0, n1, scale, y, N); break;
+    case 2: tile<W, 2>(x, K, w, n0, n1, scale, y, N); break;
+    case 3: tile<W, 3>(x, K, w, n0, n1, scale, y, N); break;
+    default: tile<W, 4>(x, K, w, n0, n1, scale, y, N); break;
+  }
+}
+
+template <typename W>
+void skinny(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale, float* y) {
+  // Each thread takes a contiguous range of W rows (whole blocks), so it streams its part of W once
+  // for every tile of x rows; with M <= 4 that is exactly once.
+  const int64_t num_blocks = (N + kRows - 1) / kRows;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * kRows, n1 = std::min(N, b1 * kRows);
+    for (int64_t m = 0; m < M; m += kMaxTileM)
+      run_tile<W>(std::min(kMaxTileM, M - m), x + m * K, K, w, n0, n1, scale, y + m * N, N);
+  });
+}
+
+}  // namespace
+
+torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+                            const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const bool quantized = w.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized == scale.has_value(), "a scale goes with int8 weights, and only with them");
+  torch::Tensor scale32;
+  if (quantized) {
+    scale32 = scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(scale32.numel() == N, "scale must have one entry per output row");
+  }
+  torch::Tensor x32 = x.to(at::kFloat).contiguous();
+  torch::Tensor y32 = torch::empty({M, N}, x32.options());
+  const float* s = quantized ? scale32.data_ptr<float>() : nullptr;
+  switch (w.scalar_type()) {
+    case at::kFloat: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<float>(), N, s, y32.data_ptr<float>()); break;
+    case at::kBFloat16:
+      skinny(x32.data_ptr<float>(), M, K, w.data_ptr<at::BFloat16>(), N, s, y32.data_ptr<float>());
+      break;
+    case at::kHalf: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<at::Half>(), N, s, y32.data_ptr<float>()); break;
+    case at::kChar: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, s, y32.data_ptr<float>()); break;
+    default: TORCH_CHECK(false, "unsupported weight dtype ", w.scalar_type());
+  }
+  if (bias.has_value()) y32.add_(bias->to(at::kFloat));
+  return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
+}

@@ -1,0 +1,104 @@
+"""Kernel choice by measurement: every candidate computes the same product, choices are cached per
+host, and a busy host's timings are not kept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.kernels import kernel_plan
+from services.kernels.kernel_plan import BUCKETS, KernelPlan, bucket_of
+from services.kernels.linear_candidates import candidates
+from services.kernels.native import load
+from services.quantized_weight import Int8Weight
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_plan, "cache_root", lambda: tmp_path)
+    return tmp_path
+
+
+def test_buckets():
+    assert [bucket_of(n) for n in (1, 2, 8, 9, 64, 65, 4096)] == [0, 1, 1, 2, 2, 3, 3]
+    assert BUCKETS == ("1", "2-8", "9-64", "65+")
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 40, 70])
+def test_every_candidate_computes_the_same_product(quantized, rows):
+    g = torch.Generator().manual_seed(rows)
+    dense = torch.randn(24, 40, generator=g).bfloat16()
+    weight = Int8Weight.quantize(dense) if quantized else dense
+    reference = weight.dequantize(torch.float32) if quantized else dense.float()
+    x = torch.randn(rows, 40, generator=g).bfloat16()
+    bias = torch.randn(24, generator=g).bfloat16()
+    found = candidates(quantized, True, 40, {1: 1, 5: 8, 40: 64, 70: 1 << 62}[rows], load())
+    assert ("native" in found) == (load() is not None and rows <= 64)
+    assert ("torch.mv" in found) == (not quantized and rows == 1)
+    assert "torch.int8pack" not in found  # 40 columns: torch's kernel would crash
+    if quantized:
+        assert "torch.int8pack" in candidates(True, True, 64, 8, None)
+    for name, fn in found.items():
+        got = fn(x, weight, bias)
+        assert got.shape == (rows, 24) and got.dtype == torch.bfloat16, name
+        want = F.linear(x.float(), reference, bias.float())
+        assert (got.float() - want).abs().max() <= 0.02 * want.abs().max(), name  # bf16 rounding (and scale's)
+
+
+def weights() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(32, 16, generator=g), torch.randn(16, 32, generator=g), torch.randn(32, 16, generator=g)]
+
+
+def test_modes_and_the_cache(cache_dir, monkeypatch):
+    torch_only = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "torch")
+    assert torch_only.native is None and torch_only.attention_choice == "torch"
+    assert set(torch_only.linear_choices) == {(32, 16, "float32"), (16, 32, "float32")}  # distinct shapes once
+    for names in torch_only.linear_choices.values():
+        assert names[0] in ("torch.linear", "torch.mv") and names[1:] == ("torch.linear",) * 3
+    if load() is None:
+        pytest.skip("no native kernels on this host")
+    forced = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "native")
+    assert forced.attention_choice == "native"
+    assert all(names == ("native", "native", "native", "torch.linear") for names in forced.linear_choices.values())
+    monkeypatch.setattr(kernel_plan.time, "process_time", iter(range(0, 10**6, 1000)).__next__)  # never busy
+    measured = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "auto")
+    assert "measured" in measured.summary and "from the cache" not in measured.summary
+    saved = json.loads((cache_dir / "kernels" / "choices.json").read_text())
+    (host,) = saved
+    assert "AMD" in host or "Intel" in host or host  # the CPU model opens the key
+    again = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "auto")
+    assert "from the cache" in again.summary
+    assert again.linear_choices == measured.linear_choices and again.attention_choice == measured.attention_choice
+
+
+def test_a_busy_hosts_timings_are_used_but_not_kept(cache_dir, monkeypatch):
+    if load() is None:
+        pytest.skip("no native kernels on this host")
+    monkeypatch.setattr(kernel_plan.time, "process_time", lambda: 0.0)  # as if other processes had our cores
+    plan = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "auto")
+    assert "host busy: not cached" in plan.summary
+    assert not (cache_dir / "kernels" / "choices.json").exists()
+
+
+def test_a_stale_cached_name_is_measured_again(cache_dir, monkeypatch):
+    monkeypatch.setattr(kernel_plan.time, "process_time", iter(range(0, 10**6, 1000)).__next__)
+    KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "torch")
+    path = cache_dir / "kernels" / "choices.json"
+    saved = json.loads(path.read_text())
+    for entries in saved.values():
+        for entry in entries:
+            entries[entry] = "no-such-kernel"
+    path.write_text(json.dumps(saved))
+    plan = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "torch")
+    assert "measured" in plan.summary
+    assert all(n in ("torch.linear", "torch.mv") for names in plan.linear_choices.values() for n in names)
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch, native, got 'fast'"):
+        KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "fast")

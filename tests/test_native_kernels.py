@@ -1,0 +1,116 @@
+"""The native CPU kernels against torch's reference, on odd shapes, in every weight format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.attention import AttentionMetadata, torch_decode_attention
+from services.kernels import native as native_build
+from services.quantized_weight import Int8Weight
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2),
+             torch.float16: dict(rtol=2e-3, atol=5e-3)}
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = native_build.load()
+    if module is None:
+        pytest.skip("this host cannot compile the native kernels (the engine falls back to torch's)")
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 1), (1, 7, 15), (3, 33, 17), (5, 9, 100),
+                                                           (8, 64, 48), (13, 5, 31), (1, 130, 2048)])
+def test_skinny_linear_matches_f_linear(native, dtype, rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    got = native.skinny_linear(x, w, None, bias)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    want = F.linear(x.float(), w.float(), bias.float())  # what torch's CPU linear computes before rounding
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 3, 5), (2, 17, 40), (7, 33, 129)])
+def test_skinny_linear_int8_is_the_dequantized_product(native, dtype, rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows + out_features)
+    weight = Int8Weight.quantize(torch.randn(out_features, in_features, generator=g))
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    got = native.skinny_linear(x, weight.qweight, weight.scale, None)
+    want = F.linear(x.float(), weight.dequantize(torch.float32))
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+
+
+def test_skinny_linear_refuses_mismatched_shapes(native):
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and w \[N, K\]"):
+        native.skinny_linear(torch.ones(1, 4), torch.ones(3, 5), None, None)
+    with pytest.raises(RuntimeError, match="scale goes with int8"):
+        native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), torch.ones(3), None)
+
+
+def decode_case(dtype, num_seqs=3, heads=6, kv_heads=2, head_dim=24, block_size=4, context_lens=(1, 9, 17)):
+    # A pool with more blocks than needed, each sequence's blocks scattered through it.
+    g = torch.Generator().manual_seed(head_dim + len(context_lens))
+    num_blocks = 16
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(-(-n // block_size) for n in context_lens)
+    tables = order[: num_seqs * max_blocks].view(num_seqs, max_blocks).contiguous()
+    q = torch.randn(num_seqs, heads, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(context_lens)
+    mask = (torch.arange(max(context_lens))[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), [1] * num_seqs, list(context_lens), tables,
+                             block_size, mask, lens)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 24), (4, 4, 16), (8, 1, 64)])
+def test_paged_decode_attention_matches_the_gather_and_sdpa_reference(native, dtype, heads, kv_heads, head_dim):
+    q, cache, meta = decode_case(dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    got = native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens_tensor, meta.block_size, 0.3)
+    want = torch_decode_attention(q.float(), cache.float(), meta, 0.3)
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+
+
+def test_paged_decode_attention_reads_only_the_context(native):
+    # Poisoning every slot outside the sequences' contexts must not change the answer.
+    q, cache, meta = decode_case(torch.float32)
+    before = native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens_tensor, 4, 0.5)
+    used = {int(meta.block_tables[b, t // 4]) * 4 + t % 4 for b, n in enumerate(meta.context_lens) for t in range(n)}
+    poisoned = cache.clone()
+    for slot in set(range(cache.shape[1])) - used:
+        poisoned[:, slot] = float("nan")
+    after = native.paged_decode_attention(q, poisoned, meta.block_tables, meta.context_lens_tensor, 4, 0.5)
+    assert torch.equal(before, after)
+
+
+def test_load_returns_none_and_says_why_when_compiling_fails(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    native_build.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert native_build.load() is None
+        assert "native CPU kernels unavailable, using torch's (RuntimeError: Ninja is required" in caplog.text
+    finally:
+        native_build.load.cache_clear()
+
+
+def test_the_switch_turns_them_off(monkeypatch):
+    monkeypatch.setenv(native_build.DISABLE_ENV, "0")
+    native_build.load.cache_clear()
+    try:
+        assert native_build.load() is None
+    finally:
+        native_build.load.cache_clear()
