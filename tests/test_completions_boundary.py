@@ -9,7 +9,7 @@ import e2e_checks as checks
 import httpx
 import pytest
 import ray
-from cluster_harness import router_server, two_node_cluster, wait_for
+from cluster_harness import router_server, serve_router, two_node_cluster, wait_for
 
 from router.launcher import ClusterSpec
 from router.text_offsets import TextOffsets
@@ -27,7 +27,7 @@ def server(tiny_path):
         spec = ClusterSpec(model=str(tiny_path), namespace="pd-edges", peak_flops=2e12, peak_bytes_per_second=5e10,
                            engine_options={"num_threads": 1, "max_num_seqs": 8})
         with router_server(spec) as (url, actors, _):
-            yield url, actors, str(tiny_path)
+            yield url, actors, str(tiny_path), spec
 
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -49,7 +49,7 @@ BAD_TOKEN_IDS = [
 
 
 def test_token_ids_are_strict_integers_in_range(server):
-    url, _, _ = server
+    url, *_ = server
     for path, body, param in BAD_TOKEN_IDS:
         response = httpx.post(url + path, json={"max_tokens": 2, **body}, timeout=30)
         assert response.status_code == 400, (body, response.text)
@@ -64,7 +64,7 @@ def test_token_ids_are_strict_integers_in_range(server):
 
 
 def test_max_tokens_0_without_echo_is_refused_naming_why(server):
-    url, _, _ = server
+    url, *_ = server
     for body, param, words in (({"prompt": "hi", "max_tokens": 0}, "max_tokens", "only with echo"),
                                ({"prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens",
                                 "max_tokens (0)")):
@@ -74,7 +74,7 @@ def test_max_tokens_0_without_echo_is_refused_naming_why(server):
 
 
 def test_max_tokens_0_with_echo_scores_the_prompt_on_the_prefill_worker_alone(server):
-    url, (prefill, decode), model = server
+    url, (prefill, decode), model, _ = server
     want = Engine(model=model).generate([SCORED], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
     tokenizer = Tokenizer.from_folder(model)
     ray.get(decode.stats.remote("scoring"))  # from here on, the KV transfers it receives are kept for this reader
@@ -109,10 +109,26 @@ def test_max_tokens_0_with_echo_scores_the_prompt_on_the_prefill_worker_alone(se
              s.num_kv_blocks, "the prefill worker kept a scored prompt's blocks")
 
 
+def test_a_prompt_scored_where_its_decode_worker_prefills_is_the_same(server):
+    """Prefilled by the decode worker (colocated mode, and short prompts with --local-prefill-tokens):
+    the token that worker samples is dropped there too, and its blocks are freed."""
+    url, (_, decode), _, spec = server
+    want = checks.completion(url, SCORED, 0, echo=True, logprobs=2)
+    computed = ray.get(decode.stats.remote()).num_tokens_processed
+    with serve_router(spec, local_prefill_tokens=4096) as (local_url, _):
+        got = checks.completion(local_url, SCORED, 0, echo=True, logprobs=2)
+    assert ray.get(decode.stats.remote()).num_tokens_processed >= computed + len(SCORED)  # it did run there
+    assert got["usage"]["completion_tokens"] == 0 and got["choices"][0]["text"] == want["choices"][0]["text"]
+    lp, expected = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+    assert (lp["tokens"], lp["text_offset"]) == (expected["tokens"], expected["text_offset"])
+    assert lp["token_logprobs"][1:] == pytest.approx(expected["token_logprobs"][1:], abs=1e-4)
+    checks.wait_until_idle([decode])
+
+
 def test_a_one_token_prefill_exports_no_kv(server):
     """The prefill call's stream: metadata then KV, but for a request that ends at its first token
     (a scored prompt is one) the KV would go nowhere, so there is none."""
-    _, (prefill, _), _ = server
+    _, (prefill, _), *_ = server
     for max_tokens, items in ((1, 1), (2, 2)):
         stream = prefill.prefill.remote(PrefillRequest(f"kv-{max_tokens}", SCORED,
                                                        SamplingParams(max_tokens=max_tokens, temperature=0)))
@@ -135,7 +151,7 @@ def _expected_offsets(tokenizer: Tokenizer, ids: list[int], text: str, start: in
 def test_text_offset_indexes_the_returned_text(server):
     """Offsets into the text returned, whatever the tokens' own strings: the BOS token that the echo
     skips ("<|begin_of_text|>", 17 characters) and characters split over byte tokens move nothing."""
-    url, _, model = server
+    url, _, model, _ = server
     tokenizer = Tokenizer.from_folder(model)
     prompt = "Café 🙂 naïve 日本語, São Paulo!"
     ids = tokenizer.encode(prompt)
