@@ -17,7 +17,8 @@ class TextOffsets:
     window with the previous piece as context, like `services.detokenizer`), and a token's offset
     is where the character holding its first byte begins: after the text that is final before it.
     A token that only completes a character (or is skipped) points at that character. Each offset
-    depends on the tokens up to its own, so streamed and whole answers agree.
+    depends on the tokens up to its own, so streamed and whole answers agree (but for tokens whose
+    text a stop string removed: at the end they point at the text's end, streamed before it past it).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool, start: int = 0) -> None:
