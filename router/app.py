@@ -1,23 +1,26 @@
-"""The router's FastAPI app: routes, request ids, auth, body limits, health and metrics."""
+"""The router's FastAPI app: its routes, health and metrics (the boundary checks are in boundary.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import completions
+from router.boundary import BoundaryMiddleware
 from router.choice_runner import refuse_past_deadline
-from router.errors import APIError, install_error_handlers
+from router.cpu_pool import CPUPool
+from router.errors import install_error_handlers
+from router.openapi import openapi_document
 from router.orchestrator import Orchestrator
+from router.request_body import parse
 from router.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.worker_pool import WorkerPool
 from services.metrics import METRICS
@@ -36,12 +39,14 @@ class RouterState:
     vocab_size: int
     pool: WorkerPool
     orchestrator: Orchestrator
-    api_key: str | None = None
+    api_key: str | None = None  # with one, every route but /health needs it
+    metrics_without_key: bool = False  # /metrics open even with an api_key (--metrics-without-key)
     max_n: int = 16
     max_body_bytes: int = 4 * 2**20
     max_pending: int | None = 1024  # completions in flight through this router; beyond it, 429
     request_timeout: float | None = None  # seconds a completion may take; past it, 504 (None: no limit)
     stats_interval: float = 1.0
+    cpu: CPUPool = field(default_factory=CPUPool)  # parsing, tokenizing, rendering: off the event loop
 
 
 def create_app(state: RouterState) -> FastAPI:
@@ -51,30 +56,35 @@ def create_app(state: RouterState) -> FastAPI:
         yield
         poller.cancel()
         state.orchestrator.shutdown()
+        state.cpu.shutdown()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.router = state
     install_error_handlers(app)
-
     app.add_middleware(BoundaryMiddleware, state=state)
+    # The bodies are read here and parsed on the CPU threads (request_body.py), so FastAPI does not
+    # see them: openapi.py documents them, with the answers the routes really give.
+    app.openapi = lambda: app.openapi_schema or _document(app, state)
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request):
-        prep = completions.prepare_completion(state, body, request.state.request_id)
+    async def create_completion(request: Request):
+        prep = await state.cpu.run(_prepared, state, CompletionRequest, completions.prepare_completion,
+                                   await request.body(), request.state.request_id)
         return await _respond(state, prep, request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        prep = completions.prepare_chat(state, body, request.state.request_id)
+    async def create_chat_completion(request: Request):
+        prep = await state.cpu.run(_prepared, state, ChatCompletionRequest, completions.prepare_chat,
+                                   await request.body(), request.state.request_id)
         return await _respond(state, prep, request)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        return completions.tokenize(state, body)
+    async def tokenize(request: Request):
+        return await state.cpu.run(_answered, state, TokenizeRequest, completions.tokenize, await request.body())
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        return completions.detokenize(state, body)
+    async def detokenize(request: Request):
+        return await state.cpu.run(_answered, state, DetokenizeRequest, completions.detokenize, await request.body())
 
     @app.get("/v1/models")
     async def models():
@@ -99,59 +109,20 @@ def create_app(state: RouterState) -> FastAPI:
     return app
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+def _document(app: FastAPI, state: RouterState) -> dict:
+    app.openapi_schema = openapi_document(app, api_key=state.api_key is not None,
+                                          metrics_without_key=state.metrics_without_key)
+    return app.openapi_schema
 
 
-class BoundaryMiddleware:
-    """Request ids, API key, body-size limit and the in-flight cap, as plain ASGI middleware
-    (Starlette's BaseHTTPMiddleware would hide client disconnects from the handlers).
+def _prepared(state: RouterState, model, prepare, raw: bytes, request_id: str) -> completions.Prepared:
+    """On a CPU thread: the body parsed, validated, tokenized (chat: rendered) and checked."""
+    return prepare(state, parse(model, raw), request_id)
 
-    The cap counts a completion from its arrival until its response (or stream) ends; one more is
-    refused at once with 429 and `Retry-After` rather than queued behind work it cannot overtake."""
 
-    def __init__(self, app, state: RouterState) -> None:
-        self.app, self.state = app, state
-        self.in_flight = 0
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or completions.new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("latin-1"))]
-            await send(message)
-
-        error = self._refusal(scope["path"], headers)
-        if error is not None:
-            return await error.response()(scope, receive, send_with_id)
-        if scope["path"] not in GENERATION_PATHS:
-            return await self.app(scope, receive, send_with_id)
-        limit = self.state.max_pending
-        if limit is not None and self.in_flight >= limit:
-            METRICS.requests_refused.labels(reason="too_many_pending").inc()
-            error = APIError(429, f"{self.in_flight} requests are in flight through this router, its limit "
-                                  f"(--max-pending {limit}); retry shortly", retry_after=1)
-            return await error.response()(scope, receive, send_with_id)
-        self.in_flight += 1
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            self.in_flight -= 1
-
-    def _refusal(self, path: str, headers: dict[str, str]) -> APIError | None:
-        if path.startswith("/v1/") and self.state.api_key is not None:
-            given = headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, f"Bearer {self.state.api_key}".encode()):
-                return APIError(401, "Invalid or missing API key.")
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.state.max_body_bytes:
-            return APIError(413, f"request body is larger than {self.state.max_body_bytes} bytes")
-        return None
+def _answered(state: RouterState, model, answer, raw: bytes) -> JSONResponse:
+    """On a CPU thread: the body parsed, the answer computed and rendered as JSON."""
+    return JSONResponse(answer(state, parse(model, raw)))
 
 
 async def _respond(state: RouterState, prep: completions.Prepared, request: Request):
@@ -166,8 +137,8 @@ async def _respond(state: RouterState, prep: completions.Prepared, request: Requ
     task = asyncio.create_task(completions.complete(state, prep))
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            return task.result()
+        if done:  # the JSON of a long echo with logprobs takes a while to write: not on the loop
+            return await state.cpu.run(JSONResponse, task.result())
         if await request.is_disconnected():
             task.cancel()  # unwinds run_choices, which cancels the workers' generators
             await asyncio.gather(task, return_exceptions=True)

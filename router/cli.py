@@ -141,7 +141,9 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                       help="require this Bearer key (default: $PDSERVE_API_KEY; none: open)")
+                       help="require this Bearer key on every route but /health (default: $PDSERVE_API_KEY; none: open)")
+    parser.add_argument("--metrics-without-key", action="store_true",
+                       help="with --api-key, leave /metrics open (Prometheus can also send the key as a bearer token)")
     parser.add_argument("--local-prefill-tokens", type=_local_prefill, default=0,
                        help="disaggregated: prompts of at most this many tokens are prefilled by their decode worker "
                             "(no KV hand-off; 0: never); auto: a cost model decides per request")
@@ -219,8 +221,8 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _router_options(args: argparse.Namespace) -> dict:
-    return dict(api_key=args.api_key, max_pending=args.max_pending, local_prefill_tokens=args.local_prefill_tokens,
-                request_timeout=args.request_timeout)
+    return dict(api_key=args.api_key, metrics_without_key=args.metrics_without_key, max_pending=args.max_pending,
+                local_prefill_tokens=args.local_prefill_tokens, request_timeout=args.request_timeout)
 
 
 def router(args: argparse.Namespace) -> None:

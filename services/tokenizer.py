@@ -127,7 +127,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        ids = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: 3.7 s for a 3.7 MB prompt),
+        # so the router's event loop runs while one of its threads tokenizes (router/cpu_pool.py).
+        ids = self._hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self._bos_token_id)
         elif add_special_tokens and self._strip_bos and ids[:1] == [self._bos_token_id]:
@@ -139,7 +141,7 @@ class Tokenizer:
         ids = list(ids)
         if any(i < 0 for i in ids):
             raise ValueError(f"token ids must be >= 0, got {min(ids)}")
-        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._hf.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]  # GIL released, as encode
 
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (a lone byte of a multi-byte character is

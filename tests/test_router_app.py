@@ -1,0 +1,142 @@
+"""The real router app in front of stand-in workers (`router_stand_in.py`): heavy CPU work off the
+event loop, a chunked body over the cap on a real server, the API key on the real routes, the error
+bodies, and an OpenAPI document that says what the server answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+import router_stand_in as stand_in
+
+from router.app import create_app
+
+
+class HeldTokenizer:
+    """The stand-in's tokenizer, except that encoding a long text waits for `release` (a test's
+    way to keep a large prompt in tokenization for as long as it needs)."""
+
+    def __init__(self) -> None:
+        self.inner = stand_in.tokenizer()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > 10_000:
+            self.entered.set()
+            self.release.wait(60)
+        return self.inner.encode(text, add_special_tokens)
+
+
+def test_health_answers_while_a_large_prompt_is_being_tokenized():
+    tokenizer = HeldTokenizer()
+    with stand_in.served(stand_in.state(tokenizer)) as url, ThreadPoolExecutor(1) as client:
+        large = client.submit(httpx.post, url + "/v1/completions", json={"prompt": "many words " * 100_000},
+                              timeout=60)
+        assert tokenizer.entered.wait(30)
+        try:
+            # On the event loop, the held tokenization would hold /health too: this would time out.
+            health = httpx.get(url + "/health", timeout=10)
+        finally:
+            tokenizer.release.set()
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        answer = large.result()
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "input_tokens"
+
+
+def test_a_chunked_body_over_the_cap_gets_413_from_the_server_which_closes_the_connection():
+    with stand_in.served(stand_in.state(max_body_bytes=65536)) as url:
+        address = urlparse(url)
+        sock = socket.create_connection((address.hostname, address.port))
+        answer = bytearray()
+
+        def read() -> None:
+            try:
+                while chunk := sock.recv(65536):
+                    answer.extend(chunk)
+            except ConnectionResetError:  # the server closed with body unread: a reset, after its answer
+                pass
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
+        sent, closed = 0, False
+        try:
+            for _ in range(384):  # 24 MiB
+                sock.sendall(chunk)
+                sent += 65536
+        except OSError:  # the server closed the connection
+            closed = True
+        reader.join(timeout=30)
+        sock.close()
+    head, _, body = bytes(answer).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ")
+    assert json.loads(body)["error"]["type"] == "RequestTooLargeError"
+    assert closed and sent < 24 * 2**20  # refused mid-body, not after reading all of it
+
+
+def request(method: str, path: str, router_state=None, **kwargs) -> httpx.Response:
+    async def run():
+        app = create_app(router_state or stand_in.state())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+            return await http.request(method, path, **kwargs)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_malformed_json_is_a_400_that_blames_no_field(path):
+    answer = request("POST", path, content=b'{"prompt": "x", ', headers={"content-type": "application/json"})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == {"message": "request body is not valid JSON (at character 16)",
+                                      "type": "BadRequestError", "param": None, "code": 400}
+
+
+@pytest.mark.parametrize("method, path, allowed", [("GET", "/v1/completions", "POST"), ("DELETE", "/tokenize", "POST"),
+                                                   ("POST", "/health", "GET"), ("PUT", "/v1/models", "GET")])
+def test_a_wrong_method_is_405_with_allow(method, path, allowed):
+    answer = request(method, path)
+    assert answer.status_code == 405 and answer.headers["allow"] == allowed
+    assert answer.json()["error"]["type"] == "MethodNotAllowedError"
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/metrics", "/v1/models"])
+def test_the_real_routes_need_the_key(path):
+    router_state = stand_in.state(api_key="k3y")
+    assert request("GET", path, router_state).status_code == 401
+    assert request("GET", path, router_state, headers={"authorization": "Bearer k3y"}).status_code == 200
+    assert request("GET", "/health", router_state).status_code == 200
+
+
+def test_the_openapi_document_lists_the_answers_the_server_gives():
+    doc = request("GET", "/openapi.json").json()
+    assert "422" not in json.dumps(doc) and "HTTPValidationError" not in doc["components"]["schemas"]
+    completions = doc["paths"]["/v1/completions"]["post"]
+    assert sorted(completions["responses"]) == ["200", "400", "404", "413", "429", "503", "504"]
+    assert sorted(completions["responses"]["200"]["content"]) == ["application/json", "text/event-stream"]
+    assert completions["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/CompletionRequest"}
+    assert "prompt" in doc["components"]["schemas"]["CompletionRequest"]["required"]
+    error = completions["responses"]["429"]
+    assert error["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert error["headers"]["Retry-After"]["required"]
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert sorted(doc["paths"]["/health"]["get"]["responses"]) == ["200", "503"]
+    assert "securitySchemes" not in doc["components"]  # no key configured, no 401 documented
+    assert all("401" not in op["responses"] for ops in doc["paths"].values() for op in ops.values())
+
+    keyed = request("GET", "/openapi.json", stand_in.state(api_key="k3y", metrics_without_key=True),
+                    headers={"authorization": "Bearer k3y"}).json()
+    assert "401" in keyed["paths"]["/tokenize"]["post"]["responses"]
+    assert "401" not in keyed["paths"]["/health"]["get"]["responses"]
+    assert "401" not in keyed["paths"]["/metrics"]["get"]["responses"]
