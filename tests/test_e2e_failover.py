@@ -4,13 +4,12 @@ lost or repeated (simulated two-node Ray cluster, two decode workers, real HTTP)
 from __future__ import annotations
 
 import json
-import time
 
 import e2e_checks as checks
 import httpx
 import pytest
 import ray
-from cluster_harness import router_server, two_node_cluster
+from cluster_harness import router_server, set_step_delay, two_node_cluster, wait_for
 
 from router.launcher import ClusterSpec
 from services import Engine, SamplingParams
@@ -44,6 +43,9 @@ def test_a_stream_survives_its_decode_worker(cluster, tiny_path, mode, sampling)
     with router_server(spec) as (url, actors, _):
         decode_actors = actors[-2:]
         text, usage, killed = "", None, []
+        # Paced until the kill (1,000 tokens would take 20 s): the stream is still running when its
+        # worker dies, however fast the host; the survivor then runs at full speed.
+        set_step_delay(decode_actors, 0.02)
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
@@ -57,6 +59,7 @@ def test_a_stream_survives_its_decode_worker(cluster, tiny_path, mode, sampling)
                 if len(text) >= 20 and not killed:  # mid-stream: kill the worker decoding it
                     (killed,) = _serving(decode_actors)
                     ray.kill(killed, no_restart=True)
+                    set_step_delay([a for a in decode_actors if a is not killed], 0.0)
         assert usage["completion_tokens"] == max_tokens
         assert text == expected  # nothing lost, nothing repeated, the same tokens
         assert METRICS.decode_failovers._value.get() == failovers + 1
@@ -75,6 +78,7 @@ def test_a_channel_the_worker_closed_resumes_on_the_same_live_worker(cluster, ti
     with router_server(spec) as (url, actors, state):
         decode = actors[1]  # the only decode worker
         text, closed = "", False
+        set_step_delay([decode], 0.02)  # until the close: the stream is still running then, however fast the host
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
@@ -86,6 +90,7 @@ def test_a_channel_the_worker_closed_resumes_on_the_same_live_worker(cluster, ti
                     ray.get(decode.__ray_call__.remote(
                         lambda self: [self._close(cid, ch) for cid, ch in list(self._channels.items())]))
                     closed = True
+                    set_step_delay([decode], 0.0)
         assert text == expected
         assert METRICS.decode_failovers._value.get() == failovers + 1
         assert [w.alive for w in state.pool.workers.values() if w.role == "decode"] == [True]
@@ -141,13 +146,21 @@ def test_dead_prefill_workers_are_skipped_then_decode_workers_prefill(cluster, t
 
 def test_a_request_past_the_deadline_is_answered_504_and_aborted(cluster, tiny_path):
     """--request-timeout: a non-streamed request past it gets a 504 body; a stream gets its tokens so
-    far, then a 504 error event and [DONE]; either way the decode worker drops it and frees its blocks."""
-    spec = ClusterSpec(model=str(tiny_path), namespace="pd-deadline", engine_options=OPTIONS)
+    far (the single engine's), then a 504 error event and [DONE]; either way the decode worker drops
+    it and frees its blocks."""
+    # Paced, 1,000 tokens take 10 s at least: far past the 2 s deadline, however fast the host; and
+    # at most 200 of them fit in it. 2 s leaves the first token (a prefill and a hop) ample time.
+    delay, deadline = 0.01, 2.0
+    spec = ClusterSpec(model=str(tiny_path), namespace="pd-deadline", engine_options={**OPTIONS, "step_delay_s": delay})
     body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
-    error = {"message": "the request ran past the server's deadline of 0.3 s", "type": "TimeoutError",
+    engine = Engine(model=str(tiny_path))
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=int(deadline / delay) + 10, temperature=0,
+                                                   ignore_eos=True))[0]
+    want, want_short = out.text, engine.tokenizer.decode(out.token_ids[:5])
+    error = {"message": f"the request ran past the server's deadline of {deadline:g} s", "type": "TimeoutError",
              "param": None, "code": 504}
     timeouts = METRICS.request_timeouts._value.get()
-    with router_server(spec, request_timeout=0.3) as (url, actors, _):
+    with router_server(spec, request_timeout=deadline) as (url, actors, _):
         decode = actors[1]
         answer = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert (answer.status_code, answer.json()) == (504, {"error": error})
@@ -156,41 +169,63 @@ def test_a_request_past_the_deadline_is_answered_504_and_aborted(cluster, tiny_p
             assert response.status_code == 200
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2]) == {"error": error}
-        assert json.loads(events[0])["choices"][0]["text"] is not None  # tokens came first
+        streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])  # tokens came first...
+        assert streamed and want.startswith(streamed)  # ...and they are the engine's
         several = httpx.post(url + "/v1/completions", json={**body, "n": 2, "seed": 1, "temperature": 0.5}, timeout=30)
         assert (several.status_code, several.json()) == (504, {"error": error})  # n > 1: every choice stops
         assert METRICS.request_timeouts._value.get() == timeouts + 3
         short = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 5}, timeout=30)
-        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 5
+        assert short.status_code == 200, short.text
+        assert (short.json()["choices"][0]["text"], short.json()["usage"]["completion_tokens"]) == (want_short, 5)
         checks.wait_until_idle([decode])  # nothing running there, every block free
 
 
-def test_a_killed_worker_is_started_again_and_serves_again(cluster, tiny_path):
-    """Ray restarts a dead worker (--worker-restarts): it reloads the model, the router finds it at
-    its next stats poll, and the answers are the single engine's again."""
+def test_a_killed_worker_is_started_again_and_serves_again(cluster, tiny_path, monkeypatch):
+    """`pdserve serve --worker-restarts 1`: Ray restarts a dead worker once (it reloads the model, the
+    router finds it at its next stats poll, and the answers are the single engine's again); killed a
+    second time, it stays dead."""
+    import dataclasses
     import os
 
+    import router.launcher
+    from router.cli import main
+
+    captured = {}  # the spec `pdserve serve` builds from its flags, run here on the test cluster
+    monkeypatch.setattr(router.launcher, "serve", lambda spec, *args, **options: captured.update(spec=spec))
+    main(["serve", "--model", str(tiny_path), "--namespace", "pd-restart", "--worker-restarts", "1",
+          "--max-num-seqs", "8", "--kv-cache-memory-gb", "0.1"])
+    spec = dataclasses.replace(captured["spec"], engine_options={**captured["spec"].engine_options, "num_threads": 1})
+    assert spec.max_restarts == 1
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     expected = Engine(model=str(tiny_path)).generate([PROMPT], params)[0].text
-    spec = ClusterSpec(model=str(tiny_path), namespace="pd-restart", engine_options=OPTIONS)
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     with router_server(spec) as (url, actors, state):
         decode = actors[1]
         pid = ray.get(decode.__ray_call__.remote(lambda self: os.getpid()))
         ray.kill(decode, no_restart=False)  # as if the process crashed
-        deadline = time.monotonic() + 90
-        while True:
-            assert time.monotonic() < deadline, "the decode worker was not started again"
+
+        def restarted() -> bool:
             try:  # the kill takes a moment: the old process may still answer first
-                if ray.get(decode.__ray_call__.remote(lambda self: os.getpid()), timeout=10) != pid:
-                    break
+                return ray.get(decode.__ray_call__.remote(lambda self: os.getpid()), timeout=10) != pid
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-            time.sleep(0.2)
-        while httpx.get(url + "/health", timeout=10).status_code != 200:  # the next poll finds it
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+                return False
+
+        wait_for(restarted, "the decode worker was not started again", 90, 0.2)
+        wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 200,
+                 "the router never found the restarted worker", 30, 0.2)  # at its next stats poll
         answer = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
         (worker,) = state.pool.role("decode")
         assert worker.alive and ray.get(decode.stats.remote()).num_tokens_processed == 11  # a fresh engine's
+        ray.kill(decode, no_restart=False)  # its one restart is spent: this time it stays dead
+
+        def dead() -> bool:
+            try:
+                ray.get(decode.ping.remote(), timeout=10)
+                return False
+            except ray.exceptions.ActorDiedError:
+                return True
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return False  # e.g. the kill is still on its way
+
+        wait_for(dead, "the decode worker was restarted beyond --worker-restarts", 60, 0.2)
