@@ -126,13 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _kernel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("none", *QUANTIZATIONS), default="none",
                         help="weight-only quantization of the linear layers, made at load (int8: per output channel)")
-    parser.add_argument("--kernels", choices=KERNEL_MODES, default="auto",
-                        help="auto: the fastest kernels measured on this host (cached); torch: torch's only; "
-                             "native: the native CPU kernels wherever they run")
+    parser.add_argument("--kernels", choices=KERNEL_MODES, default=None,
+                        help="auto (default, or $PDSERVE_KERNELS): the fastest kernels measured on this host "
+                             "(cached); torch: torch's only; native: the native CPU kernels wherever they run")
 
 
 def _quantization(name: str | None) -> str | None:
     return None if name == "none" else name
+
+
+def _kernels(args: argparse.Namespace) -> dict[str, str]:
+    return {} if args.kernels is None else {"kernels": args.kernels}
 
 
 def _router_flags(parser: argparse.ArgumentParser) -> None:
@@ -203,8 +207,8 @@ def serve(args: argparse.Namespace) -> None:
     options = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                    kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len,
-                   enable_prefix_caching=not args.no_prefix_caching, kernels=args.kernels,
-                   quantization=_quantization(args.quantization))
+                   enable_prefix_caching=not args.no_prefix_caching, quantization=_quantization(args.quantization),
+                   **_kernels(args))
     role_options = {role: {"quantization": _quantization(value)} for role, value in
                     (("prefill", args.prefill_quantization), ("decode", args.decode_quantization)) if value is not None}
     spec = ClusterSpec(model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
@@ -260,8 +264,8 @@ def make_model(args: argparse.Namespace) -> None:
 def generate(args: argparse.Namespace) -> None:
     from services import Engine, SamplingParams
 
-    engine = Engine(model=resolve_model(args.model), dtype=args.dtype, kernels=args.kernels,
-                    quantization=_quantization(args.quantization))
+    engine = Engine(model=resolve_model(args.model), dtype=args.dtype, quantization=_quantization(args.quantization),
+                    **_kernels(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)

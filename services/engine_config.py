@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from services.model_config import ModelConfig
 
@@ -30,8 +31,9 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request seeds drawn for requests that give none
     quantization: str | None = None  # None, or one of QUANTIZATIONS
     # auto: the fastest kernel measured on this host; torch: torch's only; native: the native ones
-    # wherever they can run (what the oracle tests use, so they check those kernels)
-    kernels: str = "auto"
+    # wherever they can run. $PDSERVE_KERNELS sets the default for every engine of a process tree:
+    # the test suite pins "native", so engines compared token by token compute alike.
+    kernels: str = field(default_factory=lambda: os.environ.get("PDSERVE_KERNELS", "auto"))
     # Test-only: seconds the engine thread sleeps after each step, so that a test's long request is
     # still running when the test acts on it, however fast the host (tests/cluster_harness.py).
     step_delay_s: float = 0.0

@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Every engine of the suite (in-process, Ray workers, server subprocesses: they inherit it) runs the
+# native kernels wherever they can: engines compared token by token must not choose kernels apart by
+# timing a busy host. tests/test_kernel_plan.py tests the measured choice itself.
+os.environ.setdefault("PDSERVE_KERNELS", "native")
+
 # ../shared beside the checkout; PDSERVE_SHARED points elsewhere (benchmarks/gpu_check.sh carries a copy).
 SHARED = Path(os.environ.get("PDSERVE_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 STORIES = SHARED / "models" / "stories260K"
