@@ -329,13 +329,14 @@ def test_a_dead_routers_requests_are_aborted_when_its_channel_lease_runs_out(tin
     import sys
 
     from services import Engine
+    from services.metrics import METRICS
 
     url, actors, model = tiny_server
     decode = actors[1]
-    lease, delay = 2.5, 0.02  # seconds; paced, a request of n tokens lasts at least n * delay
-    assert 1900 * delay > 10 * lease and 200 * delay > lease  # so the host's speed cannot matter
+    lease, delay = 5.0, 0.02  # seconds; paced, a request of n tokens lasts at least n * delay
+    assert 1900 * delay > 5 * lease and 300 * delay > lease  # so the host's speed cannot matter
     before = ray.get(decode.stats.remote())
-    # 2.5 s: long enough for the test router's own channel, renewed every second.
+    # 5 s: the test router renews its own channel every second, with room to spare on a loaded host.
     ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", lease)))
     try:
         with step_delay([decode], delay):
@@ -349,10 +350,13 @@ def test_a_dead_routers_requests_are_aborted_when_its_channel_lease_runs_out(tin
                      "the dead router's channel was never closed", 30)
             stats = checks.wait_until_idle([decode])
             assert stats[0].num_tokens_processed - before.num_tokens_processed < 1900  # aborted, not finished
-            # A live router renews its channel every second: a stream that outlasts the lease goes on.
-            params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            # A live router renews its channel every second: a stream that outlasts the lease goes on,
+            # on the same channel (not closed and resumed: no failover).
+            params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
             want = Engine(model=model).generate([[1, 2, 3]], params)[0].text
-            assert checks.streamed_text(url, [1, 2, 3], 200)[0] == want
+            failovers = METRICS.decode_failovers._value.get()
+            assert checks.streamed_text(url, [1, 2, 3], 300)[0] == want
+            assert METRICS.decode_failovers._value.get() == failovers
     finally:
         ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "channel_lease", 10.0)))
 
