@@ -26,6 +26,7 @@ from services.cache_folder import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = ("bindings.cpp", "skinny_linear.cpp", "paged_decode_attention.cpp")
+HEADERS = ("vec_load.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's own libgomp
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"  # "0": never compile or load them
 
@@ -54,7 +55,7 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((here / name).read_bytes())
     for part in (*CFLAGS, torch.__version__, sys.version, cpu_model(), _cpu_flags()):
         digest.update(part.encode())

@@ -21,34 +21,12 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_load.h"
 
 namespace {
 
 constexpr int64_t kRows = 4;  // W rows per block: four independent accumulator chains per x row
 constexpr int64_t kMaxTileM = 4;  // x rows per pass over a W block (4 x 4 accumulators fit in registers)
-
-inline float scalar_to_float(float v) { return v; }
-inline float scalar_to_float(at::BFloat16 v) { return static_cast<float>(v); }
-inline float scalar_to_float(at::Half v) { return static_cast<float>(v); }
-inline float scalar_to_float(int8_t v) { return static_cast<float>(v); }
-
-#if defined(__AVX512F__)
-// 16 consecutive elements of W as float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bf16 is the top half of a float32
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-#endif
 
 // acc[m][r] = dot(x[m, :], w[n0 + r, :]) for m < MT, r < kRows. x: [MT, K] rows `x_stride` apart.
 template <typename X, typename W, int MT>

@@ -1,0 +1,91 @@
+"""A GGUF file of a Llama-family Hugging Face folder's exact weights, for llama.cpp to run beside
+pdserve on the same model (`benchmarks/vs_llama_cpp.py`). Written with the `gguf` package, the way
+llama.cpp's own converter lays a Llama out: q/k rows permuted back to interleaved rotary pairs,
+norms in float32, matrices in the chosen type (F16, Q8_0, Q4_0).
+
+The vocabulary is placeholder text (the benchmark feeds token ids, never text): `<unk>`, `<s>`,
+`</s>`, the 256 byte tokens llama.cpp's SentencePiece loader looks up, then `<t{i}>`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.checkpoint import load_weights
+from services.model_config import ModelConfig
+
+TYPES = ("f16", "q8_0", "q4_0")
+
+
+def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # HF's half-split rotary rows -> llama.cpp's interleaved pairs (the inverse of HF's converter)
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(folder: str | Path, out: str | Path, qtype: str) -> Path:
+    import gguf
+
+    if qtype not in TYPES:
+        raise ValueError(f"qtype must be one of {', '.join(TYPES)}, got {qtype!r}")
+    out = Path(out)
+    if out.is_file():
+        return out
+    c = ModelConfig.from_folder(folder)
+    matrix_type = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+                   "q4_0": gguf.GGMLQuantizationType.Q4_0}[qtype]
+    weights = load_weights(folder, c, torch.float32)
+    tmp = out.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_heads)
+    writer.add_head_count_kv(c.num_kv_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"<t{i}>" for i in range(len(tokens), c.vocab_size)]
+    types = [2, 3, 3] + [6] * 256 + [1] * (c.vocab_size - 259)  # unknown, control, byte, normal
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * c.vocab_size)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def add(name: str, tensor: torch.Tensor, matrix: bool = True) -> None:
+        data = tensor.numpy()
+        if matrix and matrix_type != gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, gguf.quants.quantize(data, matrix_type), raw_dtype=matrix_type)
+        else:
+            writer.add_tensor(name, data.astype(np.float16) if matrix else data.astype(np.float32))
+
+    add("token_embd.weight", weights["model.embed_tokens.weight"])
+    add("output_norm.weight", weights["model.norm.weight"], matrix=False)
+    if not c.tie_word_embeddings:
+        add("output.weight", weights["lm_head.weight"])
+    for i in range(c.num_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", weights[p + "input_layernorm.weight"], matrix=False)
+        add(b + "attn_q.weight", torch.from_numpy(_permute(weights[p + "self_attn.q_proj.weight"].numpy(), c.num_heads)))
+        add(b + "attn_k.weight", torch.from_numpy(_permute(weights[p + "self_attn.k_proj.weight"].numpy(),
+                                                           c.num_kv_heads)))
+        add(b + "attn_v.weight", weights[p + "self_attn.v_proj.weight"])
+        add(b + "attn_output.weight", weights[p + "self_attn.o_proj.weight"])
+        add(b + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"], matrix=False)
+        add(b + "ffn_gate.weight", weights[p + "mlp.gate_proj.weight"])
+        add(b + "ffn_up.weight", weights[p + "mlp.up_proj.weight"])
+        add(b + "ffn_down.weight", weights[p + "mlp.down_proj.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(out)
+    return out

@@ -1,0 +1,208 @@
+"""pdserve's engine against the tools a CPU user would pick, on the same weights, in one sitting.
+
+The `1b` preset (random weights, bf16 safetensors) and GGUF files of exactly those weights (f16,
+Q8_0, Q4_0; `benchmarks/llama_gguf.py`) are timed in interleaved rounds, so a noisy moment of this
+shared host hits every system alike:
+- batch-1 decode: ms per token after a 128-token prompt (pdserve: `engine.step()`; llama.cpp:
+  `Llama.eval([token])`; transformers: one forward with its KV cache);
+- prefill of a 1,024-token prompt (first token included);
+- batch-32 decode with 1,024-token contexts (pdserve only: 32 sequences admitted with random KV,
+  as a decode worker admits prefilled ones; llama-cpp-python's high-level API has one sequence).
+The read-bandwidth and matmul ceilings are measured in the same run; the table gives each
+pdserve decode's MBU and the batch-32 step against (weights + KV bytes) / read bandwidth.
+
+Needs the `bench` extra, llama.cpp built on this host with its native flags:
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python 'llama-cpp-python>=0.3' gguf
+    python -m benchmarks.vs_llama_cpp --threads 2 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from benchmarks import ceilings as ceilings_mod
+from benchmarks.llama_gguf import write_gguf
+from benchmarks.model_folders import CACHE_DIR, describe, preset_folder
+from benchmarks.report import environment, format_table, write_results
+from services import Engine, SamplingParams
+from services.kv_payload import KVPayload
+from services.model_config import ModelConfig
+from services.scheduler import SampledToken
+
+PROMPT = list(range(300, 300 + 128))
+LONG = list(range(300, 300 + 1024))
+
+
+class PdserveRunner:
+    def __init__(self, folder, dtype: str, quantization: str | None) -> None:
+        self.engine = Engine(folder, dtype=dtype, quantization=quantization, max_num_seqs=32, max_model_len=2048,
+                             max_num_batched_tokens=2048, kv_cache_memory_gb=2.5 if dtype != "float32" else 4.5)
+        self.ids = iter(range(10**9))
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests:
+            self.engine.step()
+
+    def decode_ms(self, num_tokens: int) -> float:
+        params = SamplingParams(max_tokens=num_tokens + 2, temperature=0, ignore_eos=True)
+        self.engine.add_request(f"d{next(self.ids)}", PROMPT, params)
+        self.engine.step()  # the prefill
+        self.engine.step()
+        times = []
+        for _ in range(num_tokens):
+            start = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - start)
+        self._drain()
+        return statistics.median(times) * 1e3
+
+    def prefill_ms(self) -> float:
+        self.engine.add_request(f"p{next(self.ids)}", [t + next(self.ids) % 7 for t in LONG],  # no prefix hit
+                                SamplingParams(max_tokens=1, temperature=0))
+        start = time.perf_counter()
+        self._drain()
+        return (time.perf_counter() - start) * 1e3
+
+    def batch_decode_ms(self, batch: int, context: int, steps: int) -> float:
+        c = self.engine.model_config
+        rng = np.random.default_rng(0)
+        shape = (c.num_layers, 2, context, c.num_kv_heads, c.head_dim)
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[self.engine.dtype]
+        array = (rng.standard_normal(shape, dtype=np.float32) * 0.5)
+        array = torch.from_numpy(array).bfloat16().view(torch.int16).numpy() if name == "bfloat16" else array
+        params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            kv = KVPayload.from_array(array, name)
+            self.engine.add_prefilled(f"b{next(self.ids)}-{i}", [300 + i] * context, SampledToken(5, None), params, kv)
+        self.engine.step()  # imports every KV
+        self.engine.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - start)
+        self._drain()
+        return statistics.median(times) * 1e3
+
+    def decode_bytes(self, context_lens: list[int]) -> int:
+        return self.engine.runner.cost.decode_bytes(context_lens)
+
+
+class LlamaCppRunner:
+    def __init__(self, path, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=2048, n_batch=1024, n_ubatch=1024, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def decode_ms(self, num_tokens: int) -> float:
+        self.llm.reset()
+        self.llm.eval(PROMPT)
+        times = []
+        for i in range(num_tokens):
+            start = time.perf_counter()
+            self.llm.eval([400 + i])
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    def prefill_ms(self) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(LONG)
+        return (time.perf_counter() - start) * 1e3
+
+
+class TransformersRunner:
+    def __init__(self, folder, dtype: torch.dtype) -> None:
+        from transformers import LlamaForCausalLM
+
+        self.model = LlamaForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def decode_ms(self, num_tokens: int) -> float:
+        out = self.model(torch.tensor([PROMPT]), use_cache=True)
+        cache, times = out.past_key_values, []
+        for i in range(num_tokens):
+            start = time.perf_counter()
+            out = self.model(torch.tensor([[400 + i]]), past_key_values=cache, use_cache=True)
+            out.logits[0, -1].argmax()
+            times.append(time.perf_counter() - start)
+            cache = out.past_key_values
+        return statistics.median(times) * 1e3
+
+    @torch.inference_mode()
+    def prefill_ms(self) -> float:
+        start = time.perf_counter()
+        self.model(torch.tensor([LONG]), use_cache=True, logits_to_keep=1).logits.argmax()
+        return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--pdserve", nargs="*", default=["bfloat16", "int8"],
+                        help="pdserve modes: float32, bfloat16, int8 (bf16 compute, int8 weights)")
+    parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0"], help="GGUF types: f16, q8_0, q4_0")
+    parser.add_argument("--transformers", nargs="*", default=["bfloat16"], help="dtypes for transformers")
+    parser.add_argument("--batch-steps", type=int, default=6, help="timed batch-32 decode steps per round")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = preset_folder("1b")
+    config = ModelConfig.from_folder(folder)
+    print(f"1b preset: {describe(config)}; {environment()['cpu']}, {args.threads} threads", flush=True)
+    runners = {}
+    for mode in args.pdserve:
+        dtype, quantization = ("bfloat16", "int8") if mode == "int8" else (mode, None)
+        runners[f"pdserve {mode}"] = PdserveRunner(folder, dtype, quantization)
+    for qtype in args.llama_cpp:
+        print(f"GGUF {qtype} ...", flush=True)
+        runners[f"llama.cpp {qtype}"] = LlamaCppRunner(write_gguf(folder, CACHE_DIR / f"1b-{qtype}.gguf", qtype),
+                                                      args.threads)
+    for dtype in args.transformers:
+        runners[f"transformers {dtype}"] = TransformersRunner(folder, getattr(torch, dtype))
+    before = ceilings_mod.measure(num_bytes=2 * 10**9, repeats=3)
+    samples = {name: {"decode_ms": [], "prefill_ms": [], "batch32_ms": []} for name in runners}
+    for round_ in range(args.rounds):
+        for name, runner in runners.items():
+            samples[name]["decode_ms"].append(runner.decode_ms(args.decode_tokens))
+            samples[name]["prefill_ms"].append(runner.prefill_ms())
+            if isinstance(runner, PdserveRunner):
+                samples[name]["batch32_ms"].append(runner.batch_decode_ms(32, 1024, args.batch_steps))
+            print(f"round {round_ + 1}: {name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples[name].items()
+                                                              if v), flush=True)
+    after = ceilings_mod.measure(num_bytes=2 * 10**9, repeats=3)
+    read_bw = max(before["read_gbps"], after["read_gbps"]) * 1e9
+    rows, results = [], {}
+    for name, s in samples.items():
+        med = {k: statistics.median(v) for k, v in s.items() if v}
+        spread = {k: (min(v), max(v)) for k, v in s.items() if v}
+        entry = {"median": med, "min_max": spread}
+        runner = runners[name]
+        mbu = batch_bound = ""
+        if isinstance(runner, PdserveRunner):
+            mbu = runner.decode_bytes([len(PROMPT) + 8]) / (med["decode_ms"] / 1e3) / read_bw
+            bound = runner.decode_bytes([1024 + 4] * 32) / read_bw * 1e3
+            batch_bound = med["batch32_ms"] / bound
+            entry.update(decode_mbu=mbu, batch32_vs_bandwidth_bound=batch_bound, batch32_bound_ms=bound)
+        results[name] = entry
+        rows.append([name, f"{med['decode_ms']:.1f} [{spread['decode_ms'][0]:.1f}-{spread['decode_ms'][1]:.1f}]",
+                     mbu if mbu == "" else f"{mbu:.2f}", f"{med['prefill_ms'] / 1e3:.2f} s",
+                     f"{med['batch32_ms']:.0f} ({batch_bound:.2f}x bound)" if "batch32_ms" in med else "-"])
+    print(format_table(["system", "batch-1 decode ms/token [min-max]", "MBU", "prefill 1,024",
+                        "batch-32 x 1,024-ctx step ms"], rows))
+    print(f"read ceiling {read_bw / 1e9:.1f} GB/s (best of sum, GEMV, native GEMV; before and after); bf16 matmul "
+          f"{before['matmul_flops']['bfloat16'] / 1e9:.0f} GFLOP/s")
+    path = write_results("vs_llama_cpp", {"environment": environment(), "model": describe(config),
+                                          "ceilings": {"before": before, "after": after}, "results": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
