@@ -126,10 +126,11 @@ def prefill_samples(engine: Engine, rng: random.Random, args, flops: float, prob
     return {"tokens": args.prefill_tokens, **summarize(samples, args.prefill_repeats, args.max_foreign_cores)}
 
 
-def measure_dtype(folder, dtype: str, read_probe: ceilings_mod.ReadProbe, args) -> dict:
+def measure_dtype(folder, dtype: str, quantization: str, read_probe: ceilings_mod.ReadProbe, args) -> dict:
     """Each sample is paired with a ceiling measured right after it; utilization is the median of the
     per-sample ratios, so a noisy neighbour slows both sides of a ratio alike."""
-    engine = Engine(model=folder, dtype=dtype, max_num_seqs=max(64, args.batch),
+    engine = Engine(model=folder, dtype=dtype, quantization=None if quantization == "none" else quantization,
+                    kernels=args.kernels, max_num_seqs=max(64, args.batch),
                     max_num_batched_tokens=max(2048, args.prefill_tokens),
                     max_model_len=min(2048 + args.prefill_tokens, ModelConfig.from_folder(folder).max_position_embeddings),
                     num_threads=args.threads, kv_cache_memory_gb=1.0, device=args.device)
@@ -158,7 +159,7 @@ def measure_dtype(folder, dtype: str, read_probe: ceilings_mod.ReadProbe, args) 
            "noisy": bn["noisy"] or b1["noisy"]}
     del engine
     gc.collect()
-    return {"dtype": dtype, "weights": weights, "kv_bytes_per_token": kv_per_token,
+    return {"dtype": dtype, "quantization": quantization, "kernels": args.kernels, "weights": weights, "kv_bytes_per_token": kv_per_token,
             "decode_b1": b1, "prefill": prefill, "decode_batch": bn}
 
 
@@ -194,6 +195,10 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="serving dtypes to measure (default: both)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
+                        help="weight formats to measure, each with every --dtype (default none)")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
+                        help="how the engine picks its kernels (default auto: measured on this host)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: the engine's and the ceilings' (default cpu)")
     parser.add_argument("--preset", default="1b", help="model preset (default 1b; must exceed the 300 MB L3)")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding request (default 128)")
@@ -219,11 +224,12 @@ def main() -> None:
     shape = describe(ModelConfig.from_folder(folder))
     read_probe = ceilings_mod.ReadProbe(int(args.bandwidth_bytes), args.device)
     results = []
-    for dtype in args.dtype:
-        r = measure_dtype(folder, dtype, read_probe, args)
+    for dtype, quantization in [(d, q) for d in args.dtype for q in args.quantization]:
+        r = measure_dtype(folder, dtype, quantization, read_probe, args)
         results.append(r)
         w = r["weights"]
-        print(f"\n{args.preset} ({shape}); device={args.device}; dtype={dtype}; threads={args.threads}; weights read per step "
+        print(f"\n{args.preset} ({shape}); device={args.device}; dtype={dtype}; quantization={quantization}; "
+              f"kernels={args.kernels}; threads={args.threads}; weights read per step "
               f"{w['bytes'] / 1e9:.3f} GB ({(w['layer_matmul_params'] + w['lm_head_params']) / 1e9:.3f}B matmul params); "
               f"KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token")
         print(table(r), flush=True)

@@ -52,7 +52,10 @@ def candidates(quantized: bool, on_cpu: bool, in_features: int, max_rows: int, n
     columns for batches of up to `max_rows` rows, on the CPU or not."""
     if quantized:
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear}
-        if on_cpu and in_features % 32 == 0:  # torch 2.13's CPU kernel crashes (SIGSEGV) on other widths
+        # torch's weight-only kernel is made for few rows; beyond 64 (prefill) the product is
+        # compute-bound and one dequantized dense product wins. It crashes (SIGSEGV, torch 2.13) on
+        # widths that are not a multiple of 16.
+        if on_cpu and in_features % 32 == 0 and max_rows <= 64:
             found["torch.int8pack"] = _int8_pack_mm
     else:
         found = {"torch.linear": _torch_linear}
