@@ -1,0 +1,68 @@
+"""Full-precision prefill workers and int8 decode workers on separate nodes (`--decode-quantization
+int8`): over HTTP, every answer is what the same two engines give when KV is handed over in-process,
+and each worker reports its own weight format."""
+
+from __future__ import annotations
+
+import e2e_checks as checks
+import pytest
+import ray
+from cluster_harness import router_server, two_node_cluster
+from openai import OpenAI
+
+from router.launcher import ClusterSpec
+from services import Engine, SamplingParams
+from services.scheduler import SampledToken
+from services.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path):
+    with two_node_cluster() as _:
+        spec = ClusterSpec(model=str(tiny_path), namespace="pd-int8", engine_options={"num_threads": 1},
+                           role_engine_options={"decode": {"quantization": "int8"}})
+        with router_server(spec) as (url, actors, _):
+            yield url, actors, str(tiny_path)
+
+
+def handed_over(model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of a float32 prefill engine's first token and KV, decoded by an int8 engine."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    prefill = Engine(model)
+    prefill.add_request("r", prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), export_kv=True)
+    (out,) = prefill.step()
+    decode = Engine(model, quantization="int8")
+    decode.add_prefilled("r", prompt, SampledToken(out.new_token_ids[0], out.new_logprobs[0]), params, out.kv)
+    tokens = list(out.new_token_ids)
+    while decode.has_unfinished_requests:
+        for step in decode.step():
+            tokens += step.new_token_ids
+    return tokens
+
+
+def test_answers_are_the_handed_over_engines(server):
+    url, _, model = server
+    tokenizer = Tokenizer.from_folder(model)
+    full_precision, num_different = Engine(model), 0
+    for prompt in checks.prompts(3, 500)[:3]:
+        want = handed_over(model, prompt, 16)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        num_different += want != full_precision.generate([prompt], params)[0].token_ids
+        body = checks.completion(url, prompt, 16)
+        assert body["choices"][0]["text"] == tokenizer.decode(want)
+        text, _ = checks.streamed_text(url, prompt, 16)
+        assert text == tokenizer.decode(want)
+    assert num_different >= 1  # so the answers above show the int8 decode ran (2 of 3 differ here)
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    got = client.completions.create(model="test-model", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == tokenizer.decode(handed_over(model, tokenizer.encode("Once upon a time"), 12))
+
+
+def test_each_worker_reports_its_format_and_kernels(server):
+    _, actors, _ = server
+    stats = {s.role: s for s in ray.get([a.stats.remote("test") for a in actors])}
+    assert stats["prefill"].quantization is None and stats["decode"].quantization == "int8"
+    for s in stats.values():
+        assert "mode native" in s.kernels and "linear" in s.kernels
+    assert "int8" in stats["decode"].kernels and "int8" not in stats["prefill"].kernels
