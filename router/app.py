@@ -18,6 +18,7 @@ from router.boundary import BoundaryMiddleware
 from router.choice_runner import refuse_past_deadline
 from router.cpu_pool import CPUPool
 from router.errors import install_error_handlers
+from router.json_response import PiecewiseJSONResponse
 from router.openapi import openapi_document
 from router.orchestrator import Orchestrator
 from router.request_body import parse
@@ -120,9 +121,9 @@ def _prepared(state: RouterState, model, prepare, raw: bytes, request_id: str) -
     return prepare(state, parse(model, raw), request_id)
 
 
-def _answered(state: RouterState, model, answer, raw: bytes) -> JSONResponse:
+def _answered(state: RouterState, model, answer, raw: bytes) -> PiecewiseJSONResponse:
     """On a CPU thread: the body parsed, the answer computed and rendered as JSON."""
-    return JSONResponse(answer(state, parse(model, raw)))
+    return PiecewiseJSONResponse(answer(state, parse(model, raw)))
 
 
 async def _respond(state: RouterState, prep: completions.Prepared, request: Request):
@@ -138,7 +139,7 @@ async def _respond(state: RouterState, prep: completions.Prepared, request: Requ
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.25)
         if done:  # the JSON of a long echo with logprobs takes a while to write: not on the loop
-            return await state.cpu.run(JSONResponse, task.result())
+            return await state.cpu.run(PiecewiseJSONResponse, task.result())
         if await request.is_disconnected():
             task.cancel()  # unwinds run_choices, which cancels the workers' generators
             await asyncio.gather(task, return_exceptions=True)

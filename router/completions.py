@@ -172,6 +172,11 @@ async def complete(state, prep: Prepared) -> dict:
         if update.logprobs is not None:
             logprobs.setdefault(choice.index, []).extend(update.logprobs)
     ordered = [choices[i] for i in sorted(choices)]
+    # A long echo's logprobs take a while to format: on the router's CPU threads, not its event loop.
+    return await state.cpu.run(_response, state, prep, ordered, logprobs)
+
+
+def _response(state, prep: Prepared, ordered: list[ChoiceState], logprobs: dict[int, list]) -> dict:
     bodies = []
     for c in ordered:
         bodies.append(_choice_body(state, prep, c, c.text, c.token_ids, logprobs.get(c.index) if c.params.logprobs

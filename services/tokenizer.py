@@ -127,9 +127,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        # encode_batch releases the GIL while it works (encode holds it: 3.7 s for a 3.7 MB prompt),
-        # so the router's event loop runs while one of its threads tokenizes (router/cpu_pool.py).
-        ids = self._hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        # encode_batch_fast releases the GIL while it works (encode holds it: 3.7 s for a 3.7 MB
+        # prompt), so the router's event loop runs while one of its threads tokenizes
+        # (router/cpu_pool.py); and it tracks no offsets, whose freeing held the GIL another 0.3 s.
+        ids = self._hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self._bos_token_id)
         elif add_special_tokens and self._strip_bos and ids[:1] == [self._bos_token_id]:

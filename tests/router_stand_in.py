@@ -75,11 +75,13 @@ class StandInOrchestrator:
         pass
 
 
-def state(tok: Tokenizer | None = None, **options) -> RouterState:
-    """A RouterState over the stand-ins (max_model_len 256); `options` are RouterState fields."""
+def state(tok: Tokenizer | None = None, orchestrator: StandInOrchestrator | None = None, max_model_len: int = 256,
+          **options) -> RouterState:
+    """A RouterState over the stand-ins; `options` are RouterState fields."""
     tok = tok or tokenizer()
-    return RouterState(model_name="stand-in", tokenizer=tok, max_model_len=256, vocab_size=tok.vocab_size,
-                       pool=StandInPool(), orchestrator=StandInOrchestrator(tok.vocab_size), **options)
+    return RouterState(model_name="stand-in", tokenizer=tok, max_model_len=max_model_len, vocab_size=tok.vocab_size,
+                       pool=StandInPool(), orchestrator=orchestrator or StandInOrchestrator(tok.vocab_size),
+                       **options)
 
 
 @contextlib.contextmanager

@@ -19,37 +19,47 @@ from router.app import create_app
 
 
 class HeldTokenizer:
-    """The stand-in's tokenizer, except that encoding a long text waits for `release` (a test's
-    way to keep a large prompt in tokenization for as long as it needs)."""
+    """The stand-in's tokenizer, except that `held` (encoding a long text, or naming a token for
+    logprobs) waits for `release`: a test's way to keep a request in that work as long as it needs."""
 
-    def __init__(self) -> None:
-        self.inner = stand_in.tokenizer()
+    def __init__(self, held: str) -> None:
+        self.inner, self.held = stand_in.tokenizer(), held
         self.entered, self.release = threading.Event(), threading.Event()
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > 10_000:
-            self.entered.set()
-            self.release.wait(60)
+        if self.held == "encode" and len(text) > 10_000:
+            self._hold()
         return self.inner.encode(text, add_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        if self.held == "token_text":
+            self._hold()
+        return self.inner.token_text(token_id)
 
-def test_health_answers_while_a_large_prompt_is_being_tokenized():
-    tokenizer = HeldTokenizer()
+    def _hold(self) -> None:
+        self.entered.set()
+        self.release.wait(60)
+
+
+@pytest.mark.parametrize("held, body, status", [
+    ("encode", {"prompt": "many words " * 100_000}, 400),  # a large prompt being tokenized
+    ("token_text", {"prompt": "many words " * 20, "echo": True, "logprobs": 1, "max_tokens": 2}, 200),  # formatted
+])
+def test_health_answers_while_a_request_is_in_heavy_cpu_work(held, body, status):
+    tokenizer = HeldTokenizer(held)
     with stand_in.served(stand_in.state(tokenizer)) as url, ThreadPoolExecutor(1) as client:
-        large = client.submit(httpx.post, url + "/v1/completions", json={"prompt": "many words " * 100_000},
-                              timeout=60)
+        heavy = client.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
         assert tokenizer.entered.wait(30)
         try:
-            # On the event loop, the held tokenization would hold /health too: this would time out.
+            # Were the held work on the event loop, /health would wait for it too: this would time out.
             health = httpx.get(url + "/health", timeout=10)
         finally:
             tokenizer.release.set()
         assert health.status_code == 200 and health.json() == {"status": "ok"}
-        answer = large.result()
-        assert answer.status_code == 400 and answer.json()["error"]["param"] == "input_tokens"
+        assert heavy.result().status_code == status
 
 
 def test_a_chunked_body_over_the_cap_gets_413_from_the_server_which_closes_the_connection():
