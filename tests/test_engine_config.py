@@ -32,3 +32,17 @@ def test_bad_settings_are_refused_and_sizes_resolve():
     # by need: 64 seqs x 2048 / 16 blocks; by memory: 1 MiB / 16 KiB = 64 blocks
     assert EngineConfig(model="x").resolve_num_kv_blocks(tiny, 4, 2048) == 64 * 128
     assert EngineConfig(model="x", kv_cache_memory_gb=2**-10).resolve_num_kv_blocks(tiny, 4, 2048) == 64
+
+
+def test_quantization_and_kernels_are_validated_and_kernels_default_from_the_environment(monkeypatch):
+    with pytest.raises(ValueError, match="quantization must be one of int8 or None, got 'int4'"):
+        EngineConfig(model="x", quantization="int4")
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch, native, got 'fast'"):
+        EngineConfig(model="x", kernels="fast")
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")
+    assert EngineConfig(model="x").kernels == "torch"
+    monkeypatch.delenv("PDSERVE_KERNELS")
+    assert EngineConfig(model="x").kernels == "auto"
+    monkeypatch.setenv("PDSERVE_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        EngineConfig(model="x")

@@ -127,3 +127,16 @@ def test_cli_parses_labels():
     assert build_parser().parse_args(["serve", "--local-prefill-tokens", "auto"]).local_prefill_tokens is None
     assert args.gpus_per_worker is None and build_parser().parse_args(["serve", "--gpus-per-worker", "auto"]).gpus_per_worker is None
     assert build_parser().parse_args(["serve", "--gpus-per-worker", "0.5"]).gpus_per_worker == 0.5
+
+
+def test_cli_quantization_per_role(tiny_path):
+    args = build_parser().parse_args(["serve", "--model", str(tiny_path), "--quantization", "int8",
+                                      "--prefill-quantization", "none", "--kernels", "torch"])
+    assert (args.quantization, args.prefill_quantization, args.decode_quantization, args.kernels) == (
+        "int8", "none", None, "torch")
+    spec = ClusterSpec(model=str(tiny_path), engine_options={"quantization": "int8"},
+                       role_engine_options={"prefill": {"quantization": None}})
+    assert spec.options_for("prefill") == {"quantization": None}
+    assert spec.options_for("decode") == {"quantization": "int8"}
+    with pytest.raises(ValueError, match="quantization must be one of int8 or None"):
+        ClusterSpec(model=str(tiny_path), role_engine_options={"decode": {"quantization": "int2"}})
