@@ -71,7 +71,8 @@ def decode_case(dtype, num_seqs=3, heads=6, kv_heads=2, head_dim=24, block_size=
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 24), (4, 4, 16), (8, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 24), (4, 4, 16), (8, 1, 64), (8, 2, 32), (12, 2, 16),
+                                                     (40, 2, 16)])
 def test_paged_decode_attention_matches_the_gather_and_sdpa_reference(native, dtype, heads, kv_heads, head_dim):
     q, cache, meta = decode_case(dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     got = native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens_tensor, meta.block_size, 0.3)

@@ -40,89 +40,156 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
-// scores[t] = exp(scores[t] - max); returns their sum.
-inline float softmax_numerators(float* scores, int64_t n, float max) {
-  int64_t t = 0;
-  float sum = 0.f;
 #if defined(__AVX512F__)
-  __m512 vsum = _mm512_setzero_ps();
-  for (; t + 16 <= n; t += 16) {
-    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t), _mm512_set1_ps(max)));
-    _mm512_storeu_ps(scores + t, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  sum = _mm512_reduce_add_ps(vsum);
+// The four horizontal sums of v0..v3 at once (in lanes 0..3): one shuffle tree instead of four.
+inline __m128 reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));  // v0 v1 v0 v1 per lane
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));  // v0 v1 v2 v3
+  const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0x4E));  // fold the 128-bit lanes
+  const __m512 e = _mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, 0xB1));
+  return _mm512_castps512_ps128(e);
+}
 #endif
-  for (; t < n; ++t) {
-    scores[t] = std::exp(scores[t] - max);
-    sum += scores[t];
+
+// scores [T, Q] (token-major: a token's Q scores are adjacent) -> exp(score - maxes[h]), summed per
+// head into sums [Q]. Token-major because head-major rows of T floats sit a power of two apart and
+// thrash the L1 cache's sets (measured: 2-3x slower at T = 1024).
+inline void softmax_numerators(float* scores, int64_t T_len, int64_t Q, const float* maxes, float* sums) {
+  std::fill(sums, sums + Q, 0.f);
+#if defined(__AVX512F__)
+  for (int64_t h = 0; h < Q; h += 16) {
+    const __mmask16 lanes = Q - h >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (Q - h)) - 1);
+    const __m512 max = _mm512_maskz_loadu_ps(lanes, maxes + h);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < T_len; ++t) {
+      float* row = scores + t * Q + h;
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row), max));
+      _mm512_mask_storeu_ps(row, lanes, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_mask_storeu_ps(sums + h, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums + h), sum));
   }
-  return sum;
+#else
+  for (int64_t t = 0; t < T_len; ++t)
+    for (int64_t h = 0; h < Q; ++h) {
+      float& p = scores[t * Q + h];
+      p = std::exp(p - maxes[h]);
+      sums[h] += p;
+    }
+#endif
 }
 
-// Calls fn(t, row) for each of the first T_len tokens, `row` pointing at its [Dh] slice of one
-// kv head in the pool: block by block, so no per-token division.
+// Calls fn(t, row) for each of the first T_len tokens, `row` pointing at kv head kh of that token
+// in the pool: block by block, so no per-token division. With few heads per task a token's slice
+// is K * Dh elements away from the next token's, a stride the hardware prefetchers miss (measured:
+// latency-bound, ~100 ns per token), so the rows a few tokens ahead are prefetched by hand.
 template <typename T, typename Fn>
-inline void for_each_token(const T* base, const int64_t* table, int64_t T_len, int64_t K, int64_t kh, int64_t Dh,
-                           int64_t block_size, Fn&& fn) {
-  for (int64_t start = 0, b = 0; start < T_len; start += block_size, ++b) {
+inline void for_each_token(const T* base, const int64_t* table, int64_t T_len, int64_t K, int64_t kh, int64_t span,
+                           int64_t Dh, int64_t block_size, Fn&& fn) {
+  // span: elements read from kh on (nkh * Dh); a whole row (span == K * Dh) streams by itself
+  constexpr int64_t kAhead = 8;
+  const bool prefetch = span < K * Dh;
+  const int64_t row_bytes = span * static_cast<int64_t>(sizeof(T)), stride = K * Dh;
+  const int64_t num_blocks = (T_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * block_size, n = std::min(block_size, T_len - start);
     const T* row = base + (table[b] * block_size * K + kh) * Dh;
-    const int64_t n = std::min(block_size, T_len - start);
-    for (int64_t i = 0; i < n; ++i, row += K * Dh) fn(start + i, row);
+    const T* next = b + 1 < num_blocks ? base + (table[b + 1] * block_size * K + kh) * Dh : nullptr;
+    for (int64_t i = 0; i < n; ++i, row += stride) {
+      if (prefetch) {
+        const int64_t into_next = i + kAhead - n;  // the token ahead, counted into the next block
+        const T* ahead = into_next < 0 ? row + kAhead * stride
+                         : (next != nullptr && into_next < block_size ? next + into_next * stride : nullptr);
+        if (ahead != nullptr && start + i + kAhead < T_len)
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(ahead) + off);
+      }
+      fn(start + i, row);
+    }
   }
 }
 
-// One (sequence, kv head) task. qf: [G, Dh] float32, pre-scaled; scores: [G, T]; acc: [G, Dh].
+#if defined(__AVX512F__)
+// out[h] = qf[h] . k for the G query heads (rows of qf [G, Dh]) sharing one key row k [Dh].
 template <typename T>
-void attend_one(const float* qf, const T* keys, const T* values, const int64_t* table, int64_t T_len, int64_t K,
-                int64_t kh, int64_t G, int64_t Dh, int64_t block_size, float* scores, float* acc) {
-  std::vector<float> maxes(G, -std::numeric_limits<float>::infinity());
+inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, float* out, float* maxes) {
+  __m512 kv[16];  // the key row as float32, loaded once for the G heads
+  for (int64_t d = 0; d < Dh / 16; ++d) kv[d] = load16(k + 16 * d);
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {  // four heads' dot products, summed by one shuffle tree
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm512_mul_ps(_mm512_loadu_ps(qf + (g + j) * Dh), kv[0]);
+      for (int64_t d = 1; d < Dh / 16; ++d) v[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (g + j) * Dh + 16 * d), kv[d], v[j]);
+    }
+    alignas(16) float sums4[4];
+    _mm_store_ps(sums4, reduce4(v[0], v[1], v[2], v[3]));
+    for (int j = 0; j < 4; ++j) {
+      out[g + j] = sums4[j];
+      maxes[g + j] = std::max(maxes[g + j], sums4[j]);
+    }
+  }
+  for (; g < G; ++g) {
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(qf + g * Dh), kv[0]);
+    for (int64_t d = 1; d < Dh / 16; ++d) v = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * Dh + 16 * d), kv[d], v);
+    out[g] = _mm512_reduce_add_ps(v);
+    maxes[g] = std::max(maxes[g], out[g]);
+  }
+}
+#endif
+
+// One task: a sequence's kv heads kh0 .. kh0 + nkh - 1 and their query heads (Q = nkh * G, in order).
+// qf: [Q, Dh] float32, pre-scaled; scores: [T, Q]; acc: [Q, Dh]. Taking several adjacent heads
+// per task reads each token's row of the pool as one contiguous run.
+template <typename T>
+void attend_task(const float* qf, const T* keys, const T* values, const int64_t* table, int64_t T_len, int64_t K,
+                 int64_t kh0, int64_t nkh, int64_t G, int64_t Dh, int64_t block_size, float* scores, float* acc) {
+  const int64_t Q = nkh * G;
+  std::vector<float> maxes(Q, -std::numeric_limits<float>::infinity());
   const bool vectorized = Dh % 16 == 0 && Dh <= 256;
-  for_each_token(keys, table, T_len, K, kh, Dh, block_size, [&](int64_t t, const T* k) {
+  for_each_token(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
+    for (int64_t j = 0; j < nkh; ++j) {
+      const T* k = row + j * Dh;
 #if defined(__AVX512F__)
-    if (vectorized) {
-      __m512 kv[16];  // the key row as float32, loaded once for the G heads
-      for (int64_t d = 0; d < Dh / 16; ++d) kv[d] = load16(k + 16 * d);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(qf + g * Dh), kv[0]);
-        for (int64_t d = 1; d < Dh / 16; ++d) v = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * Dh + 16 * d), kv[d], v);
-        const float s = _mm512_reduce_add_ps(v);
-        scores[g * T_len + t] = s;
-        maxes[g] = std::max(maxes[g], s);
+      if (vectorized) {
+        score_heads(qf + j * G * Dh, k, G, Dh, scores + t * Q + j * G, maxes.data() + j * G);
+        continue;
       }
-      return;
-    }
 #endif
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t d = 0; d < Dh; ++d) s += qf[g * Dh + d] * scalar_to_float(k[d]);
-      scores[g * T_len + t] = s;
-      maxes[g] = std::max(maxes[g], s);
+      for (int64_t h = j * G; h < (j + 1) * G; ++h) {
+        float s = 0.f;
+        for (int64_t d = 0; d < Dh; ++d) s += qf[h * Dh + d] * scalar_to_float(k[d]);
+        scores[t * Q + h] = s;
+        maxes[h] = std::max(maxes[h], s);
+      }
     }
   });
-  std::vector<float> sums(G);
-  for (int64_t g = 0; g < G; ++g) sums[g] = softmax_numerators(scores + g * T_len, T_len, maxes[g]);
-  std::fill(acc, acc + G * Dh, 0.f);
-  for_each_token(values, table, T_len, K, kh, Dh, block_size, [&](int64_t t, const T* v) {
+  std::vector<float> sums(Q);
+  softmax_numerators(scores, T_len, Q, maxes.data(), sums.data());
+  std::fill(acc, acc + Q * Dh, 0.f);
+  for_each_token(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
+    for (int64_t j = 0; j < nkh; ++j) {
+      const T* v = row + j * Dh;
 #if defined(__AVX512F__)
-    if (vectorized) {
-      for (int64_t d = 0; d < Dh; d += 16) {
-        const __m512 vv = load16(v + d);  // one load of the value row serves all G heads
-        for (int64_t g = 0; g < G; ++g) {
-          float* a = acc + g * Dh + d;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * T_len + t]), vv, _mm512_loadu_ps(a)));
+      if (vectorized) {
+        for (int64_t d = 0; d < Dh; d += 16) {
+          const __m512 vv = load16(v + d);  // one load of the value row serves all G heads
+          for (int64_t h = j * G; h < (j + 1) * G; ++h) {
+            float* a = acc + h * Dh + d;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[t * Q + h]), vv, _mm512_loadu_ps(a)));
+          }
         }
+        continue;
       }
-      return;
-    }
 #endif
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * T_len + t];
-      for (int64_t d = 0; d < Dh; ++d) acc[g * Dh + d] += p * scalar_to_float(v[d]);
+      for (int64_t h = j * G; h < (j + 1) * G; ++h) {
+        const float p = scores[t * Q + h];
+        for (int64_t d = 0; d < Dh; ++d) acc[h * Dh + d] += p * scalar_to_float(v[d]);
+      }
     }
   });
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < Dh; ++d) acc[g * Dh + d] /= sums[g];
+  for (int64_t h = 0; h < Q; ++h)
+    for (int64_t d = 0; d < Dh; ++d) acc[h * Dh + d] /= sums[h];
 }
 
 template <typename T>
@@ -131,17 +198,24 @@ void attend(const T* q, const T* cache, const int64_t* block_tables, const int64
   const int64_t G = H / K;
   const T* keys = cache;  // [S, K, Dh]
   const T* values = cache + S * K * Dh;  // [S, K, Dh]
-  at::parallel_for(0, B * K, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * Dh), acc(G * Dh), scores;
+  // As many kv heads per task as keeps every thread busy (~4 tasks each): a whole token row per
+  // task for large batches, a head per task for batch 1.
+  const int64_t wanted = std::max<int64_t>(1, 4 * at::get_num_threads() / std::max<int64_t>(B, 1));
+  int64_t chunks = 1;
+  while (chunks < std::min(wanted, K) || K % chunks != 0) ++chunks;
+  const int64_t nkh = K / chunks;
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(nkh * G * Dh), acc(nkh * G * Dh), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / K, kh = task % K, T_len = context_lens[b];
-      for (int64_t g = 0; g < G; ++g)  // this kv head's query heads, scaled once
-        for (int64_t d = 0; d < Dh; ++d) qf[g * Dh + d] = scalar_to_float(q[(b * H + kh * G + g) * Dh + d]) * scale;
-      scores.resize(G * T_len);
-      attend_one(qf.data(), keys, values, block_tables + b * max_blocks, T_len, K, kh, G, Dh, block_size,
-                 scores.data(), acc.data());
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < Dh; ++d) out[(b * H + kh * G + g) * Dh + d] = static_cast<T>(acc[g * Dh + d]);
+      const int64_t b = task / chunks, kh0 = (task % chunks) * nkh, T_len = context_lens[b];
+      const int64_t h0 = kh0 * G, Q = nkh * G;  // query heads h0 .. h0 + Q - 1
+      for (int64_t h = 0; h < Q; ++h)  // scaled once
+        for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = scalar_to_float(q[(b * H + h0 + h) * Dh + d]) * scale;
+      scores.resize(Q * T_len);
+      attend_task(qf.data(), keys, values, block_tables + b * max_blocks, T_len, K, kh0, nkh, G, Dh, block_size,
+                  scores.data(), acc.data());
+      for (int64_t h = 0; h < Q; ++h)
+        for (int64_t d = 0; d < Dh; ++d) out[(b * H + h0 + h) * Dh + d] = static_cast<T>(acc[h * Dh + d]);
     }
   });
 }
