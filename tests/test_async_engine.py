@@ -41,6 +41,8 @@ def test_concurrent_requests_equal_offline_generate(engine, tiny_path):
 
 
 def test_bad_request_fails_alone_and_abort_frees_blocks(engine):
+    processed = engine.engine.num_tokens_processed
+
     async def run():
         bad = engine.submit("bad", lambda e: e.add_request("bad", [], SamplingParams()))
         with pytest.raises(ValueError, match="prompt must not be empty"):
@@ -53,10 +55,15 @@ def test_bad_request_fails_alone_and_abort_frees_blocks(engine):
             engine.submit("dup", lambda e: None)
             engine.submit("dup", lambda e: None)
 
-    asyncio.run(run())
-    for _ in range(100):  # the abort is applied by the engine thread
-        if not engine.engine.has_unfinished_requests:
-            break
-        time.sleep(0.05)
+    engine.engine.step_delay_s = 0.01  # test-only pacing: 1,500 tokens take 15 s, so the abort finds it running
+    try:
+        asyncio.run(run())
+        deadline = time.monotonic() + 30
+        while engine.engine.has_unfinished_requests:  # the abort is applied by the engine thread
+            assert time.monotonic() < deadline, "the aborted request still runs"
+            time.sleep(0.05)
+    finally:
+        engine.engine.step_delay_s = 0.0
+    assert engine.engine.num_tokens_processed - processed < 1500  # aborted, not run to its end
     bm = engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
