@@ -37,7 +37,8 @@ def test_skinny_linear_matches_f_linear(native, dtype, rows, out_features, in_fe
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 3, 5), (2, 17, 40), (7, 33, 129)])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 3, 5), (2, 17, 40), (7, 33, 129), (1, 6, 256),
+                                                           (5, 4, 200)])
 def test_skinny_linear_int8_is_the_dequantized_product(native, dtype, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows + out_features)
     weight = Int8Weight.quantize(torch.randn(out_features, in_features, generator=g))

@@ -28,10 +28,69 @@ namespace {
 constexpr int64_t kRows = 4;  // W rows per block: four independent accumulator chains per x row
 constexpr int64_t kMaxTileM = 4;  // x rows per pass over a W block (4 x 4 accumulators fit in registers)
 
+// Where element k of a PairedBf16 row sits (see vec_load.h).
+inline int64_t paired_index(int64_t k, int64_t K) {
+  if (k >= K / 64 * 64) return k;
+  const int64_t r = k % 64, lane = r / 16, i = r % 16;
+  return k - r + (i < 8 ? 8 * lane + i : 32 + 8 * lane + i - 8);
+}
+
 // acc[m][r] = dot(x[m, :], w[n0 + r, :]) for m < MT, r < kRows. x: [MT, K] rows `x_stride` apart.
 template <typename X, typename W, int MT>
 void dot_block(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMaxTileM][kRows]) {
   int64_t k = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<X, PairedBf16> && std::is_same_v<W, int8_t>) {
+    // int8 -> bf16 without arithmetic: |q| indexes 128-entry tables of bf16(|q|)'s low and high
+    // bytes (vpermi2b), q's sign goes into the high byte, and unpacking the two byte planes yields
+    // 32 + 32 bf16 values in the paired order; then vdpbf16ps. 8 instructions per 64 weights
+    // against 12 for int8 -> int32 -> float32 + FMA, which left the int8 kernel compute-bound.
+    alignas(64) static const struct Tables {
+      uint8_t lo[128], hi[128];
+      Tables() {
+        for (int v = 0; v < 128; ++v) {
+          float f = static_cast<float>(v);
+          uint32_t u;
+          std::memcpy(&u, &f, 4);
+          lo[v] = static_cast<uint8_t>(u >> 16);
+          hi[v] = static_cast<uint8_t>(u >> 24);
+        }
+      }
+    } tables;
+    const __m512i lo_a = _mm512_load_si512(tables.lo), lo_b = _mm512_load_si512(tables.lo + 64);
+    const __m512i hi_a = _mm512_load_si512(tables.hi), hi_b = _mm512_load_si512(tables.hi + 64);
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512 vacc[MT][kRows];
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_setzero_ps();
+    const int64_t K64 = K / 64 * 64;
+    for (; k < K64; k += 64) {
+      __m512bh wa[kRows], wb[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * K + k), _MM_HINT_T0);  // the next block
+        const __m512i q = _mm512_loadu_si512(w + r * K + k);
+        const __m512i mag = _mm512_abs_epi8(q);
+        const __m512i lo = _mm512_permutex2var_epi8(lo_a, mag, lo_b);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi_a, mag, hi_b), q, sign, 0xF8);
+        wa[r] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+        wb[r] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k);
+        const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k + 32);
+        for (int r = 0; r < kRows; ++r)
+          vacc[m][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(vacc[m][r], xa, wa[r]), xb, wb[r]);
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_reduce_add_ps(vacc[m][r]);
+    for (; k < K; ++k)
+      for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < kRows; ++r)
+          acc[m][r] += scalar_to_float(x[m * x_stride + k]) * scalar_to_float(w[r * K + k]);
+    return;
+  }
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<X, at::BFloat16> && std::is_same_v<W, at::BFloat16>) {
     __m512 vacc[MT][kRows];
@@ -39,7 +98,10 @@ void dot_block(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kM
       for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_setzero_ps();
     for (; k + 32 <= K; k += 32) {  // 32 bf16 pairs per instruction
       __m512bh wv[kRows];
-      for (int r = 0; r < kRows; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+      for (int r = 0; r < kRows; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * K + k), _MM_HINT_T0);
+        wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+      }
       for (int m = 0; m < MT; ++m) {
         __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k);
         for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_dpbf16_ps(vacc[m][r], xv, wv[r]);
@@ -60,7 +122,13 @@ void dot_block(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kM
     for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_setzero_ps();
   for (; k + 16 <= K; k += 16) {
     __m512 wv[kRows];
-    for (int r = 0; r < kRows; ++r) wv[r] = load16(w + r * K + k);
+    for (int r = 0; r < kRows; ++r) {
+      // W's rows are contiguous, so kRows rows ahead is the next block at this column: one stream
+      // the hardware prefetchers, which follow each of the four rows separately, fall behind on.
+      if ((k * static_cast<int64_t>(sizeof(W))) % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * K + k), _MM_HINT_T0);
+      wv[r] = load16(w + r * K + k);
+    }
     for (int m = 0; m < MT; ++m) {
       __m512 xv = load16(x + m * x_stride + k);
       for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_fmadd_ps(xv, wv[r], vacc[m][r]);
@@ -82,7 +150,10 @@ template <typename X, typename W, int MT>
 void dot_row(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMaxTileM]) {
   for (int m = 0; m < MT; ++m) {
     float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += scalar_to_float(x[m * x_stride + k]) * scalar_to_float(w[k]);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t at = std::is_same_v<X, PairedBf16> ? paired_index(k, K) : k;
+      s += scalar_to_float(x[m * x_stride + at]) * scalar_to_float(w[k]);
+    }
     acc[m] = s;
   }
 }
@@ -145,6 +216,21 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   }
   torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
   const float* s = quantized ? scale32.data_ptr<float>() : nullptr;
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  if (x.scalar_type() == at::kBFloat16 && quantized) {
+    torch::Tensor xc = x.contiguous();
+    const int64_t K64 = K / 64 * 64;
+    torch::Tensor paired = xc.clone();  // [M, K], each whole 64 rearranged (see PairedBf16)
+    if (K64 > 0) {
+      auto chunks = xc.narrow(1, 0, K64).view({M, K64 / 64, 4, 2, 8});  // [M, chunk, lane, half, 8]
+      paired.narrow(1, 0, K64).view({M, K64 / 64, 2, 4, 8}).copy_(chunks.permute({0, 1, 3, 2, 4}));
+    }
+    skinny(reinterpret_cast<const PairedBf16*>(paired.data_ptr<at::BFloat16>()), M, K, w.data_ptr<int8_t>(), N, s,
+           y32.data_ptr<float>());
+    if (bias.has_value()) y32.add_(bias->to(at::kFloat));
+    return y32.to(x.scalar_type());
+  }
+#endif
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
     torch::Tensor xc = x.contiguous();
