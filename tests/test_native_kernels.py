@@ -22,28 +22,31 @@ def native():
     return module
 
 
+@pytest.mark.parametrize("rows_in_flight", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 1), (1, 7, 15), (3, 33, 17), (5, 9, 100),
                                                            (8, 64, 48), (13, 5, 31), (1, 130, 2048)])
-def test_skinny_linear_matches_f_linear(native, dtype, rows, out_features, in_features):
+def test_skinny_linear_matches_f_linear(native, dtype, rows, out_features, in_features, rows_in_flight):
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype)
-    got = native.skinny_linear(x, w, None, bias)
+    got = native.skinny_linear(x, w, None, bias, rows_in_flight)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     want = F.linear(x.float(), w.float(), bias.float())  # what torch's CPU linear computes before rounding
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("rows_in_flight", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 3, 5), (2, 17, 40), (7, 33, 129), (1, 6, 256),
                                                            (5, 4, 200)])
-def test_skinny_linear_int8_is_the_dequantized_product(native, dtype, rows, out_features, in_features):
+def test_skinny_linear_int8_is_the_dequantized_product(native, dtype, rows, out_features, in_features,
+                                                       rows_in_flight):
     g = torch.Generator().manual_seed(rows + out_features)
     weight = Int8Weight.quantize(torch.randn(out_features, in_features, generator=g))
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    got = native.skinny_linear(x, weight.qweight, weight.scale, None)
+    got = native.skinny_linear(x, weight.qweight, weight.scale, None, rows_in_flight)
     want = F.linear(x.float(), weight.dequantize(torch.float32))
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
@@ -53,6 +56,8 @@ def test_skinny_linear_refuses_mismatched_shapes(native):
         native.skinny_linear(torch.ones(1, 4), torch.ones(3, 5), None, None)
     with pytest.raises(RuntimeError, match="scale goes with int8"):
         native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), torch.ones(3), None)
+    with pytest.raises(RuntimeError, match="rows in flight must be 1 or 4"):
+        native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), None, None, 2)
 
 
 def decode_case(dtype, num_seqs=3, heads=6, kv_heads=2, head_dim=24, block_size=4, context_lens=(1, 9, 17)):

@@ -2,12 +2,13 @@
 #include <torch/extension.h>
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                            const c10::optional<torch::Tensor>& bias);
+                            const c10::optional<torch::Tensor>& bias, int64_t rows);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                      int64_t block_size, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_linear", &skinny_linear, "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]), few rows of x");
+  m.def("skinny_linear", &skinny_linear, "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]), few rows of x",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("rows") = 1);
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence over the paged pool, in place");
 }

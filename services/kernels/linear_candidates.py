@@ -38,11 +38,12 @@ def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
-def _native(module: ModuleType) -> LinearFn:
+def _native(module: ModuleType, rows: int) -> LinearFn:
+    # rows: W rows in flight per thread (1: one sequential stream; 4: four streams, prefetched)
     def skinny(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, Int8Weight):
-            return module.skinny_linear(x, weight.qweight, weight.scale, bias)
-        return module.skinny_linear(x, weight, None, bias)
+            return module.skinny_linear(x, weight.qweight, weight.scale, bias, rows)
+        return module.skinny_linear(x, weight, None, bias, rows)
     return skinny
 
 
@@ -62,5 +63,6 @@ def candidates(quantized: bool, on_cpu: bool, in_features: int, max_rows: int, n
         if on_cpu and max_rows == 1:
             found["torch.mv"] = _torch_mv
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
-        found["native"] = _native(native)
+        found["native"] = _native(native, 1)
+        found["native.4rows"] = _native(native, 4)
     return found

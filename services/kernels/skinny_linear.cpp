@@ -11,8 +11,9 @@
 //
 // Why: a decode step is a chain of these products, and all it does is read W. torch's CPU paths
 // stream 16-bit weights at half the read bandwidth on some hosts (see issue "decode at the
-// bandwidth limit"); this loop converts each W element to float32 in registers and keeps four rows'
-// dot products in flight, so the only limit is how fast memory delivers W. Threads split N.
+// bandwidth limit"); this loop converts each W element in registers, reads each thread's rows as one
+// sequential stream, and keeps four accumulators in flight, so the only limit is how fast memory
+// delivers W. Threads split N.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,8 +26,8 @@
 
 namespace {
 
-constexpr int64_t kRows = 4;  // W rows per block: four independent accumulator chains per x row
-constexpr int64_t kMaxTileM = 4;  // x rows per pass over a W block (4 x 4 accumulators fit in registers)
+constexpr int kAcc = 4;  // accumulators per x row: R W rows x (kAcc / R) interleaved chunks of k
+constexpr int64_t kMaxTileM = 4;  // x rows per pass over W (4 x 4 accumulators fit in registers)
 
 // Where element k of a PairedBf16 row sits (see vec_load.h).
 inline int64_t paired_index(int64_t k, int64_t K) {
@@ -35,10 +36,32 @@ inline int64_t paired_index(int64_t k, int64_t K) {
   return k - r + (i < 8 ? 8 * lane + i : 32 + 8 * lane + i - 8);
 }
 
-// acc[m][r] = dot(x[m, :], w[n0 + r, :]) for m < MT, r < kRows. x: [MT, K] rows `x_stride` apart.
-template <typename X, typename W, int MT>
-void dot_block(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMaxTileM][kRows]) {
+#if defined(__AVX512F__)
+// The MT x kAcc accumulators (W row r uses r * kAcc / R ...), summed into acc[m][r].
+template <int MT, int R>
+inline void reduce_rows(__m512 vacc[][kAcc], float acc[kMaxTileM][kAcc]) {
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = vacc[m][r * (kAcc / R)];
+      for (int a = 1; a < kAcc / R; ++a) sum = _mm512_add_ps(sum, vacc[m][r * (kAcc / R) + a]);
+      acc[m][r] = _mm512_reduce_add_ps(sum);
+    }
+}
+#endif
+
+// acc[m][r] = dot(x[m, :], w[r * K:][:K]) for R W rows (w: [R, K]) and m < MT x rows `x_stride`
+// apart. R = 1: each thread reads its part of W as one sequential stream, kAcc accumulators over
+// interleaved chunks of k hiding the FMA/dot latency. R = 4: four rows in flight (four streams K
+// apart), one accumulator each, plus a software prefetch of the next four. Which wins depends on
+// the CPU and K (measured on a Zen 4: R = 1 for int8 and 2048-wide W, R = 4 for 8192-wide bf16),
+// so both are candidates of the kernel plan.
+template <typename X, typename W, int MT, int R>
+void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMaxTileM][kAcc]) {
+  static_assert(R == 1 || R == kAcc, "one row with kAcc accumulators, or kAcc rows with one each");
+  constexpr int kPhases = kAcc / R;  // accumulators per W row
   int64_t k = 0;
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   if constexpr (std::is_same_v<X, PairedBf16> && std::is_same_v<W, int8_t>) {
     // int8 -> bf16 without arithmetic: |q| indexes 128-entry tables of bf16(|q|)'s low and high
@@ -60,14 +83,14 @@ void dot_block(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kM
     const __m512i lo_a = _mm512_load_si512(tables.lo), lo_b = _mm512_load_si512(tables.lo + 64);
     const __m512i hi_a = _mm512_load_si512(tables.hi), hi_b = _mm512_load_si512(tables.hi + 64);
     const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512 vacc[MT][kRows];
+    __m512 vacc[MT][kAcc];
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_setzero_ps();
+      for (int a = 0; a < kAcc; ++a) vacc[m][a] = _mm512_setzero_ps();
     const int64_t K64 = K / 64 * 64;
-    for (; k < K64; k += 64) {
-      __m512bh wa[kRows], wb[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * K + k), _MM_HINT_T0);  // the next block
+    for (int a = 0; k < K64; k += 64, a = (a + 1) % kPhases) {
+      __m512bh wa[R], wb[R];
+      for (int r = 0; r < R; ++r) {
+        if (R > 1) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
         const __m512i q = _mm512_loadu_si512(w + r * K + k);
         const __m512i mag = _mm512_abs_epi8(q);
         const __m512i lo = _mm512_permutex2var_epi8(lo_a, mag, lo_b);
@@ -78,131 +101,109 @@ void dot_block(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kM
       for (int m = 0; m < MT; ++m) {
         const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k);
         const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k + 32);
-        for (int r = 0; r < kRows; ++r)
-          vacc[m][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(vacc[m][r], xa, wa[r]), xb, wb[r]);
+        for (int r = 0; r < R; ++r)
+          vacc[m][r * kPhases + a] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(vacc[m][r * kPhases + a], xa, wa[r]), xb, wb[r]);
       }
     }
-    for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_reduce_add_ps(vacc[m][r]);
-    for (; k < K; ++k)
-      for (int m = 0; m < MT; ++m)
-        for (int r = 0; r < kRows; ++r)
-          acc[m][r] += scalar_to_float(x[m * x_stride + k]) * scalar_to_float(w[r * K + k]);
-    return;
-  }
+    reduce_rows<MT, R>(vacc, acc);
+  } else
 #endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<X, at::BFloat16> && std::is_same_v<W, at::BFloat16>) {
-    __m512 vacc[MT][kRows];
+    __m512 vacc[MT][kAcc];
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_setzero_ps();
-    for (; k + 32 <= K; k += 32) {  // 32 bf16 pairs per instruction
-      __m512bh wv[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * K + k), _MM_HINT_T0);
+      for (int a = 0; a < kAcc; ++a) vacc[m][a] = _mm512_setzero_ps();
+    for (int a = 0; k + 32 <= K; k += 32, a = (a + 1) % kPhases) {  // 32 bf16 pairs per instruction
+      __m512bh wv[R];
+      for (int r = 0; r < R; ++r) {
+        if (R > 1) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
         wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
       }
       for (int m = 0; m < MT; ++m) {
-        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k);
-        for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_dpbf16_ps(vacc[m][r], xv, wv[r]);
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k);
+        for (int r = 0; r < R; ++r) vacc[m][r * kPhases + a] = _mm512_dpbf16_ps(vacc[m][r * kPhases + a], xv, wv[r]);
       }
     }
-    for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_reduce_add_ps(vacc[m][r]);
-    for (; k < K; ++k)
-      for (int m = 0; m < MT; ++m)
-        for (int r = 0; r < kRows; ++r)
-          acc[m][r] += scalar_to_float(x[m * x_stride + k]) * scalar_to_float(w[r * K + k]);
-    return;
-  }
+    reduce_rows<MT, R>(vacc, acc);
+  } else
 #endif
+  {
 #if defined(__AVX512F__)
-  __m512 vacc[MT][kRows];
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      // W's rows are contiguous, so kRows rows ahead is the next block at this column: one stream
-      // the hardware prefetchers, which follow each of the four rows separately, fall behind on.
-      if ((k * static_cast<int64_t>(sizeof(W))) % 64 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * K + k), _MM_HINT_T0);
-      wv[r] = load16(w + r * K + k);
+    if constexpr (!std::is_same_v<X, PairedBf16>) {
+      __m512 vacc[MT][kAcc];
+      for (int m = 0; m < MT; ++m)
+        for (int a = 0; a < kAcc; ++a) vacc[m][a] = _mm512_setzero_ps();
+      for (int a = 0; k + 16 <= K; k += 16, a = (a + 1) % kPhases) {
+        __m512 wv[R];
+        for (int r = 0; r < R; ++r) {
+          if (R > 1 && (k * static_cast<int64_t>(sizeof(W))) % 64 == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
+          wv[r] = load16(w + r * K + k);
+        }
+        for (int m = 0; m < MT; ++m) {
+          const __m512 xv = load16(x + m * x_stride + k);
+          for (int r = 0; r < R; ++r) vacc[m][r * kPhases + a] = _mm512_fmadd_ps(xv, wv[r], vacc[m][r * kPhases + a]);
+        }
+      }
+      reduce_rows<MT, R>(vacc, acc);
     }
-    for (int m = 0; m < MT; ++m) {
-      __m512 xv = load16(x + m * x_stride + k);
-      for (int r = 0; r < kRows; ++r) vacc[m][r] = _mm512_fmadd_ps(xv, wv[r], vacc[m][r]);
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_reduce_add_ps(vacc[m][r]);
-#else
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kRows; ++r) acc[m][r] = 0.f;
 #endif
-  for (; k < K; ++k)  // the tail (or, without AVX-512, everything: the compiler vectorizes it)
+  }
+  for (; k < K; ++k) {  // the tail (or, without AVX-512, everything: the compiler vectorizes it)
+    const int64_t at = std::is_same_v<X, PairedBf16> ? paired_index(k, K) : k;
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < kRows; ++r) acc[m][r] += scalar_to_float(x[m * x_stride + k]) * scalar_to_float(w[r * K + k]);
-}
-
-// One W row against MT x rows (the last N % kRows rows).
-template <typename X, typename W, int MT>
-void dot_row(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMaxTileM]) {
-  for (int m = 0; m < MT; ++m) {
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t at = std::is_same_v<X, PairedBf16> ? paired_index(k, K) : k;
-      s += scalar_to_float(x[m * x_stride + at]) * scalar_to_float(w[k]);
-    }
-    acc[m] = s;
+      for (int r = 0; r < R; ++r) acc[m][r] += scalar_to_float(x[m * x_stride + at]) * scalar_to_float(w[r * K + k]);
   }
 }
 
-template <typename X, typename W, int MT>
+template <typename X, typename W, int MT, int R>
 void tile(const X* x, int64_t K, const W* w, int64_t n_begin, int64_t n_end, const float* scale,
           float* y, int64_t N) {
   // x: [MT, K]; y: [MT, N] float32 (this tile's rows of the output)
-  float acc[kMaxTileM][kRows];
+  float acc[kMaxTileM][kAcc];
   int64_t n = n_begin;
-  for (; n + kRows <= n_end; n += kRows) {
-    dot_block<X, W, MT>(x, K, w + n * K, K, acc);
+  for (; n + R <= n_end; n += R) {
+    dot_rows<X, W, MT, R>(x, K, w + n * K, K, acc);
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < kRows; ++r) y[m * N + n + r] = acc[m][r] * (scale ? scale[n + r] : 1.f);
+      for (int r = 0; r < R; ++r) y[m * N + n + r] = acc[m][r] * (scale ? scale[n + r] : 1.f);
   }
-  for (; n < n_end; ++n) {
-    float row[kMaxTileM];
-    dot_row<X, W, MT>(x, K, w + n * K, K, row);
-    for (int m = 0; m < MT; ++m) y[m * N + n] = row[m] * (scale ? scale[n] : 1.f);
+  for (; n < n_end; ++n) {  // the last rows when R does not divide the range
+    dot_rows<X, W, MT, 1>(x, K, w + n * K, K, acc);
+    for (int m = 0; m < MT; ++m) y[m * N + n] = acc[m][0] * (scale ? scale[n] : 1.f);
   }
 }
 
-template <typename X, typename W>
+template <typename X, typename W, int R>
 void run_tile(int64_t mt, const X* x, int64_t K, const W* w, int64_t n0, int64_t n1, const float* scale,
               float* y, int64_t N) {
   switch (mt) {
-    case 1: tile<X, W, 1>(x, K, w, n0, n1, scale, y, N); break;
-    case 2: tile<X, W, 2>(x, K, w, n0, n1, scale, y, N); break;
-    case 3: tile<X, W, 3>(x, K, w, n0, n1, scale, y, N); break;
-    default: tile<X, W, 4>(x, K, w, n0, n1, scale, y, N); break;
+    case 1: tile<X, W, 1, R>(x, K, w, n0, n1, scale, y, N); break;
+    case 2: tile<X, W, 2, R>(x, K, w, n0, n1, scale, y, N); break;
+    case 3: tile<X, W, 3, R>(x, K, w, n0, n1, scale, y, N); break;
+    default: tile<X, W, 4, R>(x, K, w, n0, n1, scale, y, N); break;
   }
 }
 
 template <typename X, typename W>
-void skinny(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale, float* y) {
-  // Each thread takes a contiguous range of W rows (whole blocks), so it streams its part of W once
-  // for every tile of x rows; with M <= 4 that is exactly once.
-  const int64_t num_blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * kRows, n1 = std::min(N, b1 * kRows);
-    for (int64_t m = 0; m < M; m += kMaxTileM)
-      run_tile<X, W>(std::min(kMaxTileM, M - m), x + m * K, K, w, n0, n1, scale, y + m * N, N);
+void skinny(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale, float* y, int64_t rows) {
+  // Each thread takes a contiguous range of W rows (whole groups of `rows`), so it streams its part
+  // of W once for every tile of x rows; with M <= 4 that is exactly once.
+  const int64_t groups = (N + rows - 1) / rows;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * rows, n1 = std::min(N, g1 * rows);
+    for (int64_t m = 0; m < M; m += kMaxTileM) {
+      const int64_t mt = std::min(kMaxTileM, M - m);
+      if (rows == kAcc) run_tile<X, W, kAcc>(mt, x + m * K, K, w, n0, n1, scale, y + m * N, N);
+      else run_tile<X, W, 1>(mt, x + m * K, K, w, n0, n1, scale, y + m * N, N);
+    }
   });
 }
 
 }  // namespace
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                            const c10::optional<torch::Tensor>& bias) {
+                            const c10::optional<torch::Tensor>& bias, int64_t rows) {
+  TORCH_CHECK(rows == 1 || rows == kAcc, "rows in flight must be 1 or ", kAcc);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
@@ -226,7 +227,7 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
       paired.narrow(1, 0, K64).view({M, K64 / 64, 2, 4, 8}).copy_(chunks.permute({0, 1, 3, 2, 4}));
     }
     skinny(reinterpret_cast<const PairedBf16*>(paired.data_ptr<at::BFloat16>()), M, K, w.data_ptr<int8_t>(), N, s,
-           y32.data_ptr<float>());
+           y32.data_ptr<float>(), rows);
     if (bias.has_value()) y32.add_(bias->to(at::kFloat));
     return y32.to(x.scalar_type());
   }
@@ -234,19 +235,19 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
     torch::Tensor xc = x.contiguous();
-    skinny(xc.data_ptr<at::BFloat16>(), M, K, w.data_ptr<at::BFloat16>(), N, s, y32.data_ptr<float>());
+    skinny(xc.data_ptr<at::BFloat16>(), M, K, w.data_ptr<at::BFloat16>(), N, s, y32.data_ptr<float>(), rows);
     if (bias.has_value()) y32.add_(bias->to(at::kFloat));
     return y32.to(x.scalar_type());
   }
 #endif
   torch::Tensor x32 = x.to(at::kFloat).contiguous();
   switch (w.scalar_type()) {
-    case at::kFloat: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<float>(), N, s, y32.data_ptr<float>()); break;
+    case at::kFloat: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<float>(), N, s, y32.data_ptr<float>(), rows); break;
     case at::kBFloat16:
-      skinny(x32.data_ptr<float>(), M, K, w.data_ptr<at::BFloat16>(), N, s, y32.data_ptr<float>());
+      skinny(x32.data_ptr<float>(), M, K, w.data_ptr<at::BFloat16>(), N, s, y32.data_ptr<float>(), rows);
       break;
-    case at::kHalf: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<at::Half>(), N, s, y32.data_ptr<float>()); break;
-    case at::kChar: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, s, y32.data_ptr<float>()); break;
+    case at::kHalf: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<at::Half>(), N, s, y32.data_ptr<float>(), rows); break;
+    case at::kChar: skinny(x32.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, s, y32.data_ptr<float>(), rows); break;
     default: TORCH_CHECK(false, "unsupported weight dtype ", w.scalar_type());
   }
   if (bias.has_value()) y32.add_(bias->to(at::kFloat));
