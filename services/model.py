@@ -22,6 +22,7 @@ from services.kernels.kernel_plan import KernelPlan
 from services.model_config import ModelConfig
 from services.quantized_weight import Int8Weight, quantize
 from services.rotary import RotaryEmbedding
+from services.weight_arena import HugePageArena
 
 # Not cuDNN's attention: it builds a plan per shape on the host (2.3 ms a call on an H200 host), and
 # a decode step's context grows by one every step, so every call missed its cache (measured:
@@ -55,15 +56,37 @@ class LlamaModel:
         self.config = config
         self.quantization = quantization
         self.scale = config.head_dim**-0.5
-        self.embed = weights["model.embed_tokens.weight"]  # [V, D]
+        self.embed = weights.pop("model.embed_tokens.weight")  # [V, D]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = quantize(self.embed if config.tie_word_embeddings else weights["lm_head.weight"], quantization)
+        self.lm_head = quantize(self.embed if config.tie_word_embeddings else weights.pop("lm_head.weight"), quantization)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config, max_positions, device)
+        self._into_huge_pages()
         matrices = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.plan = KernelPlan.choose(matrices, (config.num_heads, config.num_kv_heads, config.head_dim),
                                       self.embed.dtype, device, kernels)
         self.decode_kernel = self.plan.decode_attention
+
+    def _into_huge_pages(self) -> None:
+        """Every matrix a decode step streams, moved into 2 MB pages (services/weight_arena.py)."""
+        if self.embed.device.type != "cpu":
+            return
+        owners = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        owners.append((self, "lm_head"))
+
+        def data(weight: torch.Tensor | Int8Weight) -> torch.Tensor:
+            return weight.qweight if isinstance(weight, Int8Weight) else weight
+
+        arena = HugePageArena.create(sum(HugePageArena.size_of(data(getattr(o, n))) for o, n in owners))
+        if arena is None:
+            return
+        tied = self.embed is self.lm_head
+        for owner, name in owners:  # one at a time: each original is freed once moved
+            weight = getattr(owner, name)
+            moved = arena.copy(data(weight))
+            setattr(owner, name, Int8Weight(moved, weight.scale) if isinstance(weight, Int8Weight) else moved)
+        if tied:
+            self.embed = self.lm_head  # still one tensor: the lookup table is the output projection
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> DecoderLayerWeights:
         attn = p + "self_attn."
@@ -75,11 +98,11 @@ class LlamaModel:
             qkv_bias=bias,
             q_norm=w.get(attn + "q_norm.weight") if self.config.qk_norm else None,
             k_norm=w.get(attn + "k_norm.weight") if self.config.qk_norm else None,
-            o=quantize(w[attn + "o_proj.weight"], self.quantization),
+            o=quantize(w.pop(attn + "o_proj.weight"), self.quantization),
             post_norm=w[p + "post_attention_layernorm.weight"],
             gate_up=quantize(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
                              self.quantization),
-            down=quantize(w[p + "mlp.down_proj.weight"], self.quantization),
+            down=quantize(w.pop(p + "mlp.down_proj.weight"), self.quantization),
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -1,0 +1,44 @@
+"""Weights copied into the huge-page arena are the same bytes, aligned, and what the model reads."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from services import Engine
+from services.quantized_weight import Int8Weight
+from services.weight_arena import ALIGN, HUGE_PAGE, HugePageArena
+
+pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
+
+
+def test_copies_are_exact_and_aligned():
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(7, 5, generator=g).bfloat16(), torch.randint(-127, 128, (3, 33), dtype=torch.int8),
+               torch.randn(100, generator=g)]
+    arena = HugePageArena.create(sum(HugePageArena.size_of(t) for t in tensors))
+    copies = [arena.copy(t) for t in tensors]
+    assert copies[0].data_ptr() % HUGE_PAGE == 0
+    for original, copy in zip(tensors, copies):
+        assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original)
+        assert copy.data_ptr() % ALIGN == 0
+    with pytest.raises(AssertionError, match="sized for fewer bytes"):
+        arena.copy(torch.ones(1))
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_model_streams_its_matrices_from_the_arena(tiny_path, quantization):
+    model = Engine(tiny_path, quantization=quantization).runner.model
+
+    def data(w):
+        return w.qweight if isinstance(w, Int8Weight) else w
+
+    matrices = [data(model.lm_head)] + [data(getattr(layer, n)) for layer in model.layers
+                                        for n in ("qkv", "o", "gate_up", "down")]
+    starts = sorted(m.data_ptr() for m in matrices)
+    assert starts[0] % HUGE_PAGE == 0  # one mapping, from a 2 MB boundary, tensors side by side
+    assert starts[-1] - starts[0] < sum(HugePageArena.size_of(m) for m in matrices)
+    if quantization is None and model.config.tie_word_embeddings:
+        assert model.embed is model.lm_head
