@@ -30,7 +30,7 @@ from benchmarks.report import environment, format_table, write_results
 from services import Engine, SamplingParams
 from services.model_config import ModelConfig
 
-TARGET_RATIO = 3.0
+TARGET_RATIO = 2.0  # issue 9: 3x was beyond this host's roofline
 
 
 def make_prompts(seed: int, num_prompts: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
