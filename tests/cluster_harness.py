@@ -4,6 +4,7 @@ uvicorn server over loopback (in a thread of the test process, which is the Ray 
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -17,9 +18,20 @@ from router.launcher import ClusterSpec, build_router_state, start_workers, stop
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port between Ray's worker ports (10002-19999) and the OS's ephemeral range
+    (32768 and up here). A port the OS hands out for port 0 is in the ephemeral range, where Ray's
+    own processes also take theirs: seen, `pdserve serve` lost its router port to the Ray instance it
+    had just started."""
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port in 20000-32000")
 
 
 def wait_for(condition, what: str, timeout: float = 15.0, interval: float = 0.1) -> None:
@@ -95,17 +107,24 @@ def router_server(spec: ClusterSpec, model_name: str = "test-model", **router_op
 def serve_router(spec: ClusterSpec, model_name: str = "test-model", **router_options):
     """A router for the workers of `spec` that already run, on a free loopback port; yields (base_url, state)."""
     state = build_router_state(spec, model_name, **router_options)
+    with served_app(create_app(state)) as url:
+        yield url, state
+
+
+@contextlib.contextmanager
+def served_app(app):
+    """`app` on a real uvicorn over loopback, in a thread of this process; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the router did not start")
-        time.sleep(0.05)
+        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}", state
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -5,13 +5,10 @@ tests of the HTTP boundary that need no Ray and no model; `served` runs it on a 
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-import uvicorn
+from cluster_harness import served_app
 
 from router.app import RouterState, create_app
 from services.preset_tokenizer import CHAT_TEMPLATE, build_tokenizer
@@ -87,20 +84,5 @@ def state(tok: Tokenizer | None = None, orchestrator: StandInOrchestrator | None
 @contextlib.contextmanager
 def served(router_state: RouterState):
     """The router app for `router_state` on a real uvicorn over loopback (in a thread); yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(router_state), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the router did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with served_app(create_app(router_state)) as url:
+        yield url
