@@ -12,37 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+from router import cli_values as flags
 from services.engine_config import KERNEL_MODES, QUANTIZATIONS
 
 PRESETS = ("tiny", "small", "1b")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,22 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     serve.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
-    serve.add_argument("--prefill", type=_positive_int, default=1, help="prefill workers (disaggregated)")
-    serve.add_argument("--decode", type=_positive_int, default=1, help="decode workers (disaggregated)")
-    serve.add_argument("--workers", type=_positive_int, default=2, help="workers (colocated)")
+    serve.add_argument("--prefill", type=flags.positive_int, default=1, help="prefill workers (disaggregated)")
+    serve.add_argument("--decode", type=flags.positive_int, default=1, help="decode workers (disaggregated)")
+    serve.add_argument("--workers", type=flags.positive_int, default=2, help="workers (colocated)")
     serve.add_argument("--address", default=None, help="join a Ray cluster (auto or HOST:PORT); default: start one")
     serve.add_argument("--namespace", default="pdserve")
     serve.add_argument("--prefill-resource", default="pd_prefill")
     serve.add_argument("--decode-resource", default="pd_decode")
-    serve.add_argument("--prefill-labels", type=_labels, default=None,
+    serve.add_argument("--prefill-labels", type=flags.labels, default=None,
                        help="place prefill workers by node labels instead, e.g. pdserve/role=prefill")
-    serve.add_argument("--decode-labels", type=_labels, default=None,
+    serve.add_argument("--decode-labels", type=flags.labels, default=None,
                        help="place decode workers by node labels instead, e.g. pdserve/role=decode")
-    serve.add_argument("--max-model-len", type=_positive_int, default=None)
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    serve.add_argument("--block-size", type=_positive_int, default=16)
-    serve.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    serve.add_argument("--max-model-len", type=flags.positive_int, default=None)
+    serve.add_argument("--max-num-seqs", type=flags.positive_int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=flags.positive_int, default=2048)
+    serve.add_argument("--block-size", type=flags.positive_int, default=16)
+    serve.add_argument("--num-kv-blocks", type=flags.positive_int, default=None)
     serve.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     serve.add_argument("--no-prefix-caching", action="store_true")
     _kernel_flags(serve)
@@ -83,15 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the prefill workers' (default: --quantization)")
     serve.add_argument("--decode-quantization", choices=("none", *QUANTIZATIONS), default=None,
                        help="the decode workers' (default: --quantization; colocated workers are decode workers)")
-    serve.add_argument("--peak-tflops", type=_positive_float, default=None,
+    serve.add_argument("--peak-tflops", type=flags.positive_float, default=None,
                        help="each worker's matmul peak for the efficiency gauges (default: measured at start-up)")
-    serve.add_argument("--peak-gbps", type=_positive_float, default=None,
+    serve.add_argument("--peak-gbps", type=flags.positive_float, default=None,
                        help="each worker's memory bandwidth, GB/s, for the gauges (default: measured at start-up)")
     serve.add_argument("--no-pin-cpus", action="store_true", help="do not pin each local worker to its own cores")
-    serve.add_argument("--gpus-per-worker", type=_gpu_share, default=None,
+    serve.add_argument("--gpus-per-worker", type=flags.gpu_share, default=None,
                        help="GPUs each worker asks Ray for, 0..1 (default auto: one each where the cluster has "
                             "GPUs, shared evenly on one local host; none without)")
-    serve.add_argument("--worker-restarts", type=_non_negative_int, default=3,
+    serve.add_argument("--worker-restarts", type=flags.non_negative_int, default=3,
                        help="times Ray starts a dead worker again (it reloads the model)")
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
     _router_flags(serve)
@@ -100,23 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
     router.add_argument("--namespace", default="pdserve")
     router.add_argument("--model", default=None, help="the model folder on this host (default: the workers' own)")
-    router.add_argument("--wait", type=_non_negative_float, default=60.0, help="seconds to wait for a decode worker")
+    router.add_argument("--wait", type=flags.non_negative_float, default=60.0, help="seconds to wait for a decode worker")
     _router_flags(router)
 
     scale = sub.add_parser("scale", help="add or remove workers of a running deployment (its routers keep running)")
     scale.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
     scale.add_argument("--namespace", default="pdserve")
-    scale.add_argument("--prefill", type=_positive_int, default=None, help="prefill workers wanted")
-    scale.add_argument("--decode", type=_positive_int, default=None, help="decode workers wanted")
-    scale.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
+    scale.add_argument("--prefill", type=flags.positive_int, default=None, help="prefill workers wanted")
+    scale.add_argument("--decode", type=flags.positive_int, default=None, help="decode workers wanted")
+    scale.add_argument("--drain-timeout", type=flags.non_negative_float, default=30.0,
                        help="seconds a removed worker may finish its requests; what is left then resumes elsewhere")
-    scale.add_argument("--startup-timeout", type=_positive_float, default=300.0)
+    scale.add_argument("--startup-timeout", type=flags.positive_float, default=300.0)
 
     gen = sub.add_parser("generate", help="generate offline with the engine (no Ray, no HTTP)")
     gen.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    gen.add_argument("--max-tokens", type=_positive_int, default=32)
-    gen.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    gen.add_argument("--max-tokens", type=flags.positive_int, default=32)
+    gen.add_argument("--temperature", type=flags.non_negative_float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     _kernel_flags(gen)
@@ -143,46 +116,19 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of the router itself, shared by `serve` and `router`."""
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the folder name)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_port, default=8000)
+    parser.add_argument("--port", type=flags.port, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require this Bearer key on every route but /health (default: $PDSERVE_API_KEY; none: open)")
     parser.add_argument("--metrics-without-key", action="store_true",
                        help="with --api-key, leave /metrics open (Prometheus can also send the key as a bearer token)")
-    parser.add_argument("--local-prefill-tokens", type=_local_prefill, default=0,
+    parser.add_argument("--local-prefill-tokens", type=flags.local_prefill, default=0,
                        help="disaggregated: prompts of at most this many tokens are prefilled by their decode worker "
                             "(no KV hand-off; 0: never); auto: a cost model decides per request")
-    parser.add_argument("--request-timeout", type=_positive_float, default=None,
+    parser.add_argument("--request-timeout", type=flags.positive_float, default=None,
                        help="seconds a completion may take; past it the request is aborted and answered 504 "
                             "(a stream ends with a 504 error event); default: no limit")
-    parser.add_argument("--max-pending", type=_positive_int, default=1024,
+    parser.add_argument("--max-pending", type=flags.positive_int, default=1024,
                        help="completions in flight through the router; one more gets 429 + Retry-After")
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {text}")
-    return value
-
-
-def _local_prefill(text: str) -> int | None:
-    return None if text == "auto" else _non_negative_int(text)
-
-
-def _gpu_share(text: str) -> float | None:
-    if text == "auto":
-        return None
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be auto or a number in [0, 1] (one engine uses one GPU), got {text}")
-    return value
-
-
-def _labels(text: str) -> dict[str, str]:
-    pairs = [p.split("=", 1) for p in text.split(",") if p]
-    if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
-        raise argparse.ArgumentTypeError(f"labels must look like key=value[,key=value], got {text!r}")
-    return dict(pairs)
 
 
 def resolve_model(name: str) -> str:
