@@ -57,7 +57,9 @@ def build_key() -> str:
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update((here / name).read_bytes())
-    for part in (*CFLAGS, torch.__version__, sys.version, cpu_model(), _cpu_flags()):
+    # torch's folder too: the build's include paths name it, so two virtualenvs sharing the cache
+    # (a checkout and its fresh clone) would otherwise rebuild each other's build on every load
+    for part in (*CFLAGS, torch.__version__, os.path.dirname(torch.__file__), sys.version, cpu_model(), _cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
