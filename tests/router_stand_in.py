@@ -8,7 +8,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from cluster_harness import served_app
+try:
+    from cluster_harness import served_app
+except ImportError:  # imported as tests.router_stand_in, by benchmarks/boundary_stalls.py
+    from tests.cluster_harness import served_app
 
 from router.app import RouterState, create_app
 from services.preset_tokenizer import CHAT_TEMPLATE, build_tokenizer
