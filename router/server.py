@@ -3,7 +3,7 @@
 `pdserve serve` runs it beside the workers it started. `pdserve router` runs one more router for
 workers that already run: routers find the workers by name and share them, so several routers behind
 one load balancer scale the HTTP side (one router carries ~5,000-9,000 streamed tokens/s, see the
-README's benchmarks) and one can restart without stopping the workers.
+docs/benchmarks.md) and one can restart without stopping the workers.
 """
 
 from __future__ import annotations
