@@ -52,14 +52,7 @@ class PdserveRunner:
         params = SamplingParams(max_tokens=num_tokens + 2, temperature=0, ignore_eos=True)
         self.engine.add_request(f"d{next(self.ids)}", PROMPT, params)
         self.engine.step()  # the prefill
-        self.engine.step()
-        times = []
-        for _ in range(num_tokens):
-            start = time.perf_counter()
-            self.engine.step()
-            times.append(time.perf_counter() - start)
-        self._drain()
-        return statistics.median(times) * 1e3
+        return self._median_step_ms(num_tokens)
 
     def prefill_ms(self) -> float:
         self.engine.add_request(f"p{next(self.ids)}", [t + next(self.ids) % 7 for t in LONG],  # no prefix hit
@@ -80,9 +73,13 @@ class PdserveRunner:
             kv = KVPayload.from_array(array, name)
             self.engine.add_prefilled(f"b{next(self.ids)}-{i}", [300 + i] * context, SampledToken(5, None), params, kv)
         self.engine.step()  # imports every KV
+        return self._median_step_ms(steps)
+
+    def _median_step_ms(self, num_steps: int) -> float:
+        """After one untimed step, the median of `num_steps` timed ones; then the rest run out."""
         self.engine.step()
         times = []
-        for _ in range(steps):
+        for _ in range(num_steps):
             start = time.perf_counter()
             self.engine.step()
             times.append(time.perf_counter() - start)
