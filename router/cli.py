@@ -7,6 +7,7 @@ Subcommands import what they need when they run, so this module imports no torch
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -16,6 +17,10 @@ from router import cli_values as flags
 from services.engine_config import KERNEL_MODES, QUANTIZATIONS
 
 PRESETS = ("tiny", "small", "1b")
+
+# Commands defined in their own modules: each has `add_command(subparsers)`, which registers its parser and
+# sets `run=` (a function of the parsed arguments) as a default. Importing one must not import torch.
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     _kernel_flags(gen)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_command(sub)
     return parser
 
 
@@ -225,8 +232,9 @@ def generate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"serve": serve, "router": router, "scale": scale, "make-model": make_model,
-         "generate": generate}[args.command](args)
+        run = getattr(args, "run", None) or {"serve": serve, "router": router, "scale": scale,
+                                              "make-model": make_model, "generate": generate}[args.command]
+        run(args)
     except (ValueError, RuntimeError, OSError) as error:  # CheckpointError: ValueError; no Ray cluster: OSError
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2)
