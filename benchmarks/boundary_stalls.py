@@ -50,9 +50,9 @@ MAX_MODEL_LEN = 65_536
 def serve(mode: str, port: int, interval: float) -> None:
     import uvicorn
 
+    from benchmarks import router_stand_in as stand_in
     from router.app import create_app
     from services.protocol import TokenDelta
-    from tests import router_stand_in as stand_in
 
     class PacedOrchestrator(stand_in.StandInOrchestrator):
         """Streams one token per `interval`; a one-token request (the scored prompt) answers at once,

@@ -156,7 +156,7 @@ def run(tokens: list[int], variants: list[str], trials: int, warmup: int, repeat
         chunk_mib: float | None) -> dict:
     import os
 
-    from tests.cluster_harness import two_node_cluster
+    from benchmarks.local_cluster import two_node_cluster
 
     if chunk_mib is not None:  # read by the raylets the cluster starts (they inherit this environment)
         os.environ["RAY_object_manager_default_chunk_size"] = str(int(chunk_mib * 2**20))

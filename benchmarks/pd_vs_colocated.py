@@ -32,6 +32,7 @@ import time
 
 import ray
 
+from benchmarks.local_cluster import serve_router
 from benchmarks.model_folders import describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
 from benchmarks.sse_client import run_client_process
@@ -39,7 +40,6 @@ from router.launcher import ClusterSpec, start_workers, stop_workers
 from router.ray_instance import init_local_ray
 from services.metrics import METRICS
 from services.model_config import ModelConfig
-from tests.cluster_harness import serve_router
 
 OPTIONS = {"num_threads": 1, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
 

@@ -161,6 +161,7 @@ def main() -> None:
 
     import ray
 
+    from benchmarks.local_cluster import router_server, two_node_cluster
     from benchmarks.model_folders import preset_folder
     from benchmarks.report import environment, format_table, write_results
     from router.launcher import ClusterSpec
@@ -168,7 +169,6 @@ def main() -> None:
     from services.metrics import METRICS
     from services.sampling_params import SamplingParams
     from services.tokenizer import Tokenizer
-    from tests.cluster_harness import router_server, two_node_cluster
 
     model = str(preset_folder("tiny"))
     tokenizer = Tokenizer.from_folder(model)
