@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from router import json_body
 from router.errors import invalid_body, not_json
 
 M = TypeVar("M", bound=BaseModel)
@@ -17,7 +18,7 @@ M = TypeVar("M", bound=BaseModel)
 
 def parse(model: type[M], raw: bytes) -> M:
     try:
-        data = json.loads(raw)  # as FastAPI parses (NaN and Infinity pass; the models refuse them)
+        data = json_body.loads(raw)  # as FastAPI parses (NaN and Infinity pass; the models refuse them)
     except json.JSONDecodeError as error:
         raise not_json(error.pos) from None
     except (UnicodeDecodeError, RecursionError):  # not UTF-8; nested deeper than Python recurses
