@@ -1,0 +1,81 @@
+"""PNG figures of the bench, roofline and study commands (matplotlib, without a display)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+LATENCIES = (("ttfts", "TTFT"), ("tpots", "TPOT"), ("itls", "ITL"), ("e2els", "E2E latency"))
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or a clear error naming the package to install."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("the plots need matplotlib: pip install 'matplotlib>=3.8' (or drop --plot)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def latency_samples(result: dict) -> dict[str, list[float]]:
+    """Milliseconds per latency kind over the successful requests of a bench result."""
+    ok = [i for i, error in enumerate(result["errors"]) if not error]
+    tpots = [(result["e2els"][i] - result["ttfts"][i]) / (result["output_lens"][i] - 1)
+             for i in ok if result["output_lens"][i] > 1]
+    return {"ttfts": [1e3 * result["ttfts"][i] for i in ok], "tpots": [1e3 * t for t in tpots],
+            "itls": [1e3 * g for i in ok for g in result["itls"][i]], "e2els": [1e3 * result["e2els"][i] for i in ok]}
+
+
+def latency_cdfs(results: dict[str, dict], path: Path, title: str) -> Path:
+    """One panel per latency kind, one CDF line per labelled result."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    for label, result in results.items():
+        samples = latency_samples(result)
+        for ax, (key, name) in zip(axes, LATENCIES):
+            values = sorted(samples[key])
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+            ax.set_xlabel(f"{name} (ms)")
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def rate_sweep(results: Sequence[dict], path: Path, title: str) -> Path:
+    """p50/p99 TTFT, TPOT, ITL and throughput/goodput against the request rate."""
+    plt = pyplot()
+    rates = [float(r["request_rate"]) for r in results]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    for ax, metric in zip(axes, ("ttft", "tpot", "itl")):
+        for stat in ("median", "p99"):
+            ax.plot(rates, [r[f"{stat}_{metric}_ms"] for r in results], marker="o", label=stat)
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+    axes[3].plot(rates, [r["request_throughput"] for r in results], marker="o", label="throughput")
+    if all(r["request_goodput"] is not None for r in results):
+        axes[3].plot(rates, [r["request_goodput"] for r in results], marker="o", label="goodput")
+    axes[3].set_ylabel("requests/s")
+    for ax in axes:
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    fig.clear()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
