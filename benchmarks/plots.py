@@ -69,6 +69,42 @@ def rate_sweep(results: Sequence[dict], path: Path, title: str) -> Path:
     return _save(fig, path)
 
 
+def study_figure(results: dict[str, dict], tpot_slo_ms: float, path: Path, title: str) -> Path:
+    """The study at a glance: ITL and TPOT CDFs per topology (the TPOT objective marked), and each
+    topology's p99 ITL and goodput side by side."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for label, result in results.items():
+        samples = latency_samples(result)
+        for ax, key in zip(axes[:2], ("itls", "tpots")):
+            values = sorted(samples[key])
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+    axes[0].set_xlabel("inter-token latency (ms), every gap")
+    axes[1].set_xlabel("TPOT (ms), per request")
+    axes[1].axvline(tpot_slo_ms, color="gray", linestyle="--", label=f"objective {tpot_slo_ms:g} ms")
+    for ax in axes[:2]:
+        ax.set_xscale("log")
+        ax.set_ylabel("cumulative fraction")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    names = list(results)
+    positions = range(len(names))
+    bars = axes[2]
+    bars.bar([p - 0.2 for p in positions], [results[n]["request_goodput"] for n in names], width=0.4,
+             label="goodput (req/s)", color="tab:green")
+    bars.set_ylabel("goodput (req/s)")
+    itl = bars.twinx()
+    itl.bar([p + 0.2 for p in positions], [results[n]["p99_itl_ms"] for n in names], width=0.4,
+            label="p99 ITL (ms)", color="tab:red")
+    itl.set_ylabel("p99 ITL (ms)")
+    bars.set_xticks(list(positions), [n.replace(", ", ",\n") for n in names], fontsize=7)
+    fig.legend(loc="upper right", fontsize=7, handles=[*bars.get_legend_handles_labels()[0],
+                                                      *itl.get_legend_handles_labels()[0]])
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
