@@ -110,9 +110,10 @@ class DecodeWorker(WorkerActor):
                 raise LookupError("test fault: the KV object was lost")
             kv = await self.transport.fetch(kv_handle)
             if fault == "corrupt":
-                data = kv.data.copy()
-                data.reshape(-1).view("uint8")[0] ^= 1
-                kv = dataclasses.replace(kv, data=data)  # the sender's checksum, now wrong
+                first = kv.slices[0]
+                data = first.data.copy()
+                data.reshape(-1).view("uint8")[0] ^= 1  # the sender's checksum, now wrong
+                kv = dataclasses.replace(kv, slices=(dataclasses.replace(first, data=data), *kv.slices[1:]))
             self.kv_transfers.extend([(time.perf_counter() - start, kv.num_bytes)])
             return kv
         except Exception as error:  # e.g. the object died with the prefill node that held it

@@ -23,6 +23,9 @@ from services.request_output import RequestOutput, StepOutput
 from services.sampling_params import SamplingParams
 from services.scheduler import SampledToken, Scheduler, SchedulerConfig
 from services.sequence import FinishReason, Sequence
+from services.tensor_parallel import GroupSpec
+from services.tensor_parallel_runner import TensorParallel
+from services.tensor_parallel_shards import shard_weights
 from services.text_stream import TextStream
 from services.tokenizer import Tokenizer
 
@@ -33,7 +36,9 @@ class Engine:
     """Generate with continuous batching. `Engine(model=PATH, dtype=..., block_size=16, ...)`;
     keyword arguments are the fields of `EngineConfig`."""
 
-    def __init__(self, model: str | Path, **options) -> None:
+    def __init__(self, model: str | Path, *, group_spec: GroupSpec | None = None, rank: int = 0, **options) -> None:
+        """`group_spec` and `rank`: this engine is that rank of a tensor-parallel group (a worker's
+        rank actor); without them, tensor_parallel_size > 1 starts the other ranks as local processes."""
         self.config = EngineConfig(model=str(model), **options)
         self.num_tokens_processed = 0
         self.model_config = ModelConfig.from_folder(self.config.model)
@@ -47,10 +52,14 @@ class Engine:
             torch.set_num_threads(self.config.num_threads)
         self.max_model_len = self.config.resolve_max_model_len(self.model_config)
         num_blocks = self.config.resolve_num_kv_blocks(self.model_config, self.dtype.itemsize, self.max_model_len)
-        weights = {name: w.to(self.device) for name, w in
-                   load_weights(self.config.model, self.model_config, self.dtype).items()}
+        self.tensor_parallel = TensorParallel.start(self.config, self.model_config, self.device, group_spec, rank)
+        weights = load_weights(self.config.model, self.model_config, self.dtype)
+        if self.tensor_parallel is not None:
+            shard_weights(weights, self.model_config, self.tensor_parallel.layout)
+        weights = {name: w.to(self.device) for name, w in weights.items()}
         self.runner = ModelRunner(self.model_config, weights, self.dtype, self.device, self.config.block_size,
-                                  num_blocks, self.max_model_len, self.config.quantization, self.config.kernels)
+                                  num_blocks, self.max_model_len, self.config.quantization, self.config.kernels,
+                                  self.tensor_parallel)
         log.info("%s", self.runner.model.plan.summary)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -110,6 +119,11 @@ class Engine:
         Reads only configuration, so it may run on any thread."""
         c = self.model_config
         kv.verify(c.num_layers, c.num_kv_heads, c.head_dim, str(self.dtype).removeprefix("torch."))
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do for a single one)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None

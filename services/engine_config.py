@@ -34,6 +34,9 @@ class EngineConfig:
     # wherever they can run. $PDSERVE_KERNELS sets the default for every engine of a process tree:
     # the test suite pins "native", so engines compared token by token compute alike.
     kernels: str = field(default_factory=lambda: os.environ.get("PDSERVE_KERNELS", "auto"))
+    # Ranks the model is sharded over (Megatron-style, services/tensor_parallel_shards.py); rank 0
+    # runs this engine's scheduler, the others follow its step plans.
+    tensor_parallel_size: int = 1
     # Test-only: seconds the engine thread sleeps after each step, so that a test's long request is
     # still running when the test acts on it, however fast the host (tests/cluster_harness.py).
     step_delay_s: float = 0.0
@@ -58,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {self.step_delay_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
 

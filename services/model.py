@@ -6,6 +6,9 @@ Weights arrive with Hugging Face names; q/k/v and gate/up are fused at load, so 
 four matrix products, each through the kernel plan's `linear` (the fastest kernel measured on this
 host for that weight and row count); with `quantization` the four and lm_head are weight-only
 quantized (the embedding lookup, norms and KV stay in the compute dtype).
+With a tensor-parallel `group`, the weights arrive already sharded (services/tensor_parallel_shards.py):
+H and K are then this rank's heads, o and down are summed over the ranks (all-reduce), the embedding
+rows are this rank's vocab slice (looked up, summed), and the logits are gathered on rank 0 only.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from services.kernels.kernel_plan import KernelPlan
 from services.model_config import ModelConfig
 from services.quantized_weight import Int8Weight, quantize
 from services.rotary import RotaryEmbedding
+from services.tensor_parallel import RankGroup
+from services.tensor_parallel_shards import ShardLayout
 from services.weight_arena import HugePageArena
 
 # Not cuDNN's attention: it builds a plan per shape on the host (2.3 ms a call on an H200 host), and
@@ -52,8 +57,12 @@ class DecoderLayerWeights:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 device: torch.device, quantization: str | None = None, kernels: str = "auto") -> None:
+                 device: torch.device, quantization: str | None = None, kernels: str = "auto",
+                 shard: ShardLayout | None = None, group: RankGroup | None = None) -> None:
         self.config = config
+        self.shard, self.group = shard, group
+        self.num_heads = shard.num_heads if shard else config.num_heads  # this rank's
+        self.num_kv_heads = shard.num_kv_heads if shard else config.num_kv_heads
         self.quantization = quantization
         self.scale = config.head_dim**-0.5
         self.embed = weights.pop("model.embed_tokens.weight")  # [V, D]
@@ -63,7 +72,7 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(config, max_positions, device)
         self._into_huge_pages()
         matrices = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self.plan = KernelPlan.choose(matrices, (config.num_heads, config.num_kv_heads, config.head_dim),
+        self.plan = KernelPlan.choose(matrices, (self.num_heads, self.num_kv_heads, config.head_dim),
                                       self.embed.dtype, device, kernels)
         self.decode_kernel = self.plan.decode_attention
 
@@ -109,9 +118,9 @@ class LlamaModel:
                 kv_cache: torch.Tensor, logit_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [N]; kv_cache: [L, 2, S, K, Dh]; logit_indices: [M] rows to project.
 
-        Returns float32 logits [M, V].
+        Returns float32 logits [M, V] (None on a tensor-parallel rank other than 0).
         """
-        h = self.embed[input_ids]  # [N, D]
+        h = self._embed(input_ids)  # [N, D]
         rope = self.rotary.tables(positions, h.dtype)  # shared by every layer
         with sdpa_kernel(GPU_ATTENTION_BACKENDS) if h.is_cuda else contextlib.nullcontext():
             for layer, layer_cache in zip(self.layers, kv_cache):
@@ -119,14 +128,27 @@ class LlamaModel:
                                         rope, meta, layer_cache)
                 x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
                 gate, up = self.plan.linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
-                h = h + self.plan.linear(F.silu(gate) * up, layer.down)
+                h = h + self._reduce(self.plan.linear(F.silu(gate) * up, layer.down))
         h = rms_norm(h[logit_indices], self.final_norm, self.config.rms_norm_eps)  # [M, D]
-        return self.plan.linear(h, self.lm_head).float()
+        logits = self.plan.linear(h, self.lm_head).float()  # [M, V / size]
+        return logits if self.group is None else self.group.gather_rows(logits)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.embed[input_ids]
+        local = input_ids - self.shard.vocab_start  # rows of this rank's vocab slice; others are zero
+        mine = (local >= 0) & (local < self.shard.vocab_size)
+        h = self.embed[local.clamp(0, self.shard.vocab_size - 1)] * mine[:, None].to(self.embed.dtype)
+        return self.group.all_reduce(h)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product's partial sums, summed over the ranks (in place)."""
+        return x if self.group is None else self.group.all_reduce(x)
 
     def _attention(self, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata, layer_cache: torch.Tensor) -> torch.Tensor:
         c = self.config
-        num_tokens, h, kv = x.shape[0], c.num_heads, c.num_kv_heads
+        num_tokens, h, kv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.plan.linear(x, layer.qkv, layer.qkv_bias).view(num_tokens, h + 2 * kv, c.head_dim)  # heads: q | k | v
         v = qkv[:, h + kv :]
         if layer.q_norm is None:  # q and k are adjacent heads: rotate them in one pass
@@ -136,4 +158,4 @@ class LlamaModel:
             q = self.rotary.apply(rms_norm(qkv[:, :h], layer.q_norm, c.rms_norm_eps), *rope)
             k = self.rotary.apply(rms_norm(qkv[:, h : h + kv], layer.k_norm, c.rms_norm_eps), *rope)
         o = paged_attention(q, k, v, layer_cache, meta, self.scale, self.decode_kernel)  # [N, H, Dh]
-        return self.plan.linear(o.reshape(num_tokens, -1), layer.o)
+        return self._reduce(self.plan.linear(o.reshape(num_tokens, -1), layer.o))

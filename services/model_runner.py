@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 import warnings
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from services.attention import AttentionMetadata
@@ -18,6 +20,10 @@ from services.roofline import ModelCost, PhaseTotals
 from services.sampler import logprob_entry, sample
 from services.scheduler import SampledToken, ScheduledBatch
 from services.sequence import Sequence
+from services.step_plan import KVExport, KVImport, StepPlan
+
+if TYPE_CHECKING:
+    from services.tensor_parallel_runner import TensorParallel
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -25,18 +31,24 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, block_size: int, num_blocks: int, max_model_len: int,
-                 quantization: str | None = None, kernels: str = "auto") -> None:
+                 quantization: str | None = None, kernels: str = "auto",
+                 parallel: TensorParallel | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
-        self.model = LlamaModel(config, weights, max_model_len, device, quantization, kernels)
-        # The pool: [L, 2, num_blocks, block_size, K, Dh]; kernels address it by flat slot.
-        self.kv_cache = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
+        self.parallel = parallel  # None: a single engine; else this rank's shard and its group
+        shard, group = (parallel.layout, parallel.group) if parallel else (None, None)
+        self.model = LlamaModel(config, weights, max_model_len, device, quantization, kernels, shard, group)
+        # The pool: [L, 2, num_blocks, block_size, K, Dh] (K: this rank's kv heads); kernels address it by flat slot.
+        num_kv_heads = self.model.num_kv_heads
+        self.kv_cache = torch.zeros(config.num_layers, 2, num_blocks, block_size, num_kv_heads,
                                     config.head_dim, dtype=dtype, device=device)
         self.kv_slots = self.kv_cache.view(config.num_layers, 2, num_blocks * block_size,
-                                           config.num_kv_heads, config.head_dim)  # [L, 2, S, K, Dh]
+                                           num_kv_heads, config.head_dim)  # [L, 2, S, K, Dh]
         self.cost = ModelCost.of(self.model, self.kv_bytes_per_token)
+        if parallel is not None:  # this rank's share of the work, times the ranks: the group's
+            self.cost = parallel.group_cost(self.cost)
         self.phase_totals = PhaseTotals()  # work and busy time per phase, for the efficiency gauges
 
     @property
@@ -48,37 +60,53 @@ class ModelRunner:
                                                   dict[int, list[dict[int, float]]]]:
         """Forward one step. Returns a token per sequence that reached its last token (else None),
         the exported KV of every `export_kv` sequence whose prompt completed this step, and the
-        prompt logprobs computed this step by batch index (sequences that asked for them)."""
+        prompt logprobs computed this step by batch index (sequences that asked for them).
+        In a tensor-parallel group this runs on rank 0, which sends the plan to the other ranks."""
         start_time = time.perf_counter()
-        for seq in batch.kv_imports:
-            self.import_kv(seq)
-        input_ids, positions, seq_index = [], [], []
-        logit_indices, sampling_seqs = [], []
+        plan = StepPlan([], [], [], [s.block_table for s in batch.seqs], list(batch.num_new_tokens),
+                        [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)], [],
+                        [KVImport(s.block_table, s.kv_payload.num_tokens, s.kv_payload) for s in batch.kv_imports])
+        sampling_seqs = []
         prompt_rows: list[tuple[int, int, int]] = []  # (flat row, batch index, the prompt token it predicts)
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             if seq.wants_prompt_logprobs:  # the row at position j predicts prompt token j + 1
                 for j in range(max(start, len(seq.prompt_logprobs)), min(start + num_new, seq.num_prompt_tokens - 1)):
-                    prompt_rows.append((len(input_ids) + j - start, i, seq.token_ids[j + 1]))
-            input_ids += seq.token_ids[start : start + num_new]
-            positions += range(start, start + num_new)
-            seq_index += [i] * num_new
+                    prompt_rows.append((len(plan.input_ids) + j - start, i, seq.token_ids[j + 1]))
+            plan.input_ids += seq.token_ids[start : start + num_new]
+            plan.positions += range(start, start + num_new)
+            plan.seq_index += [i] * num_new
             if batch.samples(i):
-                logit_indices.append(len(input_ids) - 1)
+                plan.logit_indices.append(len(plan.input_ids) - 1)
                 sampling_seqs.append(seq)
-        meta = self._attention_metadata(batch, positions, seq_index)
-        logits = self.model.forward(self._tensor(input_ids), self._tensor(positions), meta, self.kv_slots,
-                                    self._tensor(logit_indices + [row for row, _, _ in prompt_rows]))
-        prompt_logprobs = self._prompt_logprobs(logits[len(logit_indices) :], prompt_rows, batch)
-        logits = logits[: len(logit_indices)]
-        exported = {s.request_id: self.export_kv(s, s.num_tokens) for s in sampling_seqs if s.export_kv}
+                if seq.export_kv:
+                    plan.kv_exports.append(KVExport(seq.request_id, seq.block_table, seq.num_tokens))
+        num_sampled = len(plan.logit_indices)
+        plan.logit_indices += [row for row, _, _ in prompt_rows]
+        if self.parallel is not None:
+            self.parallel.group.broadcast(plan.for_followers())
+        logits, exported = self.execute(plan)
+        prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], prompt_rows, batch)
+        logits = logits[:num_sampled]
         tokens = iter(sample(logits, sampling_seqs, self.config.eos_token_ids) if sampling_seqs else [])
         sampled = [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]
         if self.device.type == "cuda" and not sampling_seqs:  # nothing sampled waited for the kernels
             torch.cuda.synchronize(self.device)  # (a middle prefill chunk): its busy time must include them
-        self.phase_totals.record(self.cost, batch.num_new_tokens, meta.context_lens,
+        self.phase_totals.record(self.cost, batch.num_new_tokens, plan.context_lens,
                                  len(sampling_seqs) + len(prompt_rows), time.perf_counter() - start_time)
         return sampled, exported, prompt_logprobs
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[str, KVPayload]]:
+        """Import KV, run the forward, export KV: the part every rank runs. Returns the logits
+        [M, V] and the exported KV by request id (on a rank other than 0: None and {})."""
+        for kv_import in plan.kv_imports:
+            self._import(kv_import)
+        meta = self.attention_metadata(plan)
+        logits = self.model.forward(self._tensor(plan.input_ids), self._tensor(plan.positions), meta, self.kv_slots,
+                                    self._tensor(plan.logit_indices))
+        exported = {e.request_id: self._export(e) for e in plan.kv_exports}
+        return logits, {rid: kv for rid, kv in exported.items() if kv is not None}
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple[int, int, int]], batch: ScheduledBatch
@@ -93,39 +121,71 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _attention_metadata(self, batch: ScheduledBatch, positions: list[int], seq_index: list[int]) -> AttentionMetadata:
+    def _attention_metadata(self, batch: ScheduledBatch, positions: list[int], seq_index: list[int]
+                            ) -> AttentionMetadata:
+        """The metadata of a batch whose flat tokens sit at `positions` (for tests and step_profile)."""
+        return self.attention_metadata(StepPlan(
+            [], positions, seq_index, [s.block_table for s in batch.seqs], list(batch.num_new_tokens),
+            [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)], []))
+
+    def attention_metadata(self, plan: StepPlan) -> AttentionMetadata:
         bs = self.block_size
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        block_tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs])
-        pos = self._tensor(positions)
-        slot_mapping = block_tables[self._tensor(seq_index), pos // bs] * bs + pos % bs  # [N]
-        context_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        max_blocks = max(len(t) for t in plan.block_tables)
+        block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in plan.block_tables])
+        pos = self._tensor(plan.positions)
+        slot_mapping = block_tables[self._tensor(plan.seq_index), pos // bs] * bs + pos % bs  # [N]
+        context_lens = plan.context_lens
         decode_mask = lens = None
-        if all(n == 1 for n in batch.num_new_tokens):
+        if all(n == 1 for n in plan.num_new_tokens):
             lens = self._tensor(context_lens)
             ctx = torch.arange(max(context_lens), device=self.device)
             decode_mask = (ctx[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, T_max]
-        return AttentionMetadata(slot_mapping, list(batch.num_new_tokens), context_lens, block_tables, bs,
+        return AttentionMetadata(slot_mapping, list(plan.num_new_tokens), context_lens, block_tables, bs,
                                  decode_mask, lens)
 
-    def _slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         pos = torch.arange(num_tokens, device=self.device)
-        table = self._tensor(seq.block_table)
+        table = self._tensor(block_table)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def export_kv(self, seq: Sequence, num_tokens: int) -> KVPayload:
         """The first `num_tokens` tokens' KV of `seq` as [L, 2, T, K, Dh], contiguous, on the host."""
-        kv = self.kv_slots.index_select(2, self._slots(seq, num_tokens)).cpu()
-        name = DTYPE_NAMES[self.dtype]
-        array = kv.view(torch.int16).numpy() if self.dtype == torch.bfloat16 else kv.numpy()
-        return KVPayload.from_array(array, name)
+        return self._export(KVExport(seq.request_id, seq.block_table, num_tokens))
 
     def import_kv(self, seq: Sequence) -> None:
         """Copy `seq.kv_payload` (verified by `Engine.add_prefilled`) into the sequence's blocks."""
-        payload: KVPayload = seq.kv_payload
-        with warnings.catch_warnings():  # object-store buffers are read-only; torch only reads this one
-            warnings.simplefilter("ignore", UserWarning)
-            kv = torch.from_numpy(payload.data)  # zero-copy view
-        if self.dtype == torch.bfloat16:
-            kv = kv.view(torch.bfloat16)
-        self.kv_slots.index_copy_(2, self._slots(seq, payload.num_tokens), kv.to(self.device))
+        self._import(KVImport(seq.block_table, seq.kv_payload.num_tokens, seq.kv_payload))
+
+    def _export(self, export: KVExport) -> KVPayload | None:
+        kv = self.kv_slots.index_select(2, self._slots(export.block_table, export.num_tokens))  # [L, 2, T, K, Dh]
+        if self.parallel is not None:  # rank 0 collects the other ranks' heads; they return None
+            return self.parallel.export_kv(kv, self.dtype)
+        return KVPayload.from_array(to_wire(kv.cpu(), self.dtype), DTYPE_NAMES[self.dtype])
+
+    def _import(self, kv_import: KVImport) -> None:
+        slots = self._slots(kv_import.block_table, kv_import.num_tokens)
+        if self.parallel is not None:  # rank 0 sends each rank its heads, re-sliced from the payload
+            self.parallel.import_kv(kv_import.payload, kv_import.num_tokens, slots, self.kv_slots)
+            return
+        copy_heads(self.kv_slots, slots, kv_import.payload.heads(0, self.config.num_kv_heads), self.dtype)
+
+
+def copy_heads(kv_slots: torch.Tensor, slots: torch.Tensor, pieces: list[tuple[int, np.ndarray]],
+               dtype: torch.dtype) -> None:
+    """Write hand-off pieces (offset among the pool's heads, [L, 2, T, n, Dh]) into the pool [L, 2, S, K, Dh]."""
+    for offset, piece in pieces:
+        heads = kv_slots[:, :, :, offset : offset + piece.shape[3]]
+        heads.index_copy_(2, slots, from_wire(piece, dtype).to(kv_slots.device))
+
+
+def to_wire(kv: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A host tensor as the hand-off's numpy array (bf16 as its int16 bit pattern)."""
+    return kv.view(torch.int16).numpy() if dtype == torch.bfloat16 else kv.numpy()
+
+
+def from_wire(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The hand-off's numpy array as a tensor, read in place."""
+    with warnings.catch_warnings():  # object-store buffers are read-only; torch only reads this one
+        warnings.simplefilter("ignore", UserWarning)
+        kv = torch.from_numpy(array)  # zero-copy view
+    return kv.view(torch.bfloat16) if dtype == torch.bfloat16 else kv

@@ -10,7 +10,7 @@ import ray
 from cluster_harness import router_server, serve_router, step_delay, two_node_cluster, wait_for
 
 from router.launcher import ClusterSpec
-from services.kv_payload import KVPayload
+from services.kv_payload import KVPayload, KVSlice
 from services.protocol import PrefillRequest
 from services.sampling_params import SamplingParams
 from services.tokenizer import Tokenizer
@@ -193,7 +193,7 @@ def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
     kv = ray.get(kv_ref)
     data = kv.data.copy()
     data.reshape(-1).view(np.uint8)[100] ^= 1
-    bad = KVPayload(data, kv.dtype, kv.checksum)
+    bad = KVPayload((KVSlice(data, kv.checksum),), kv.dtype)
     request = DecodeRequest("bad", prompt, params, meta.first_token_id, meta.first_logprobs)
     channel = decode.channel.remote("test-corrupt")
     assert ray.get(decode.admit.remote(request, [ray.put(bad)], "test-corrupt")) is None  # failures go to the channel

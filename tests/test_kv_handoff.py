@@ -10,7 +10,7 @@ import pytest
 
 from services import Engine, SamplingParams
 from services.errors import KVTransferError
-from services.kv_payload import KVPayload
+from services.kv_payload import KVPayload, KVSlice
 from services.scheduler import SampledToken
 from services.sequence import Sequence
 
@@ -64,7 +64,7 @@ def test_corrupt_or_mismatched_kv_is_refused(tiny_path):
     flipped = kv.data.copy()
     flipped.reshape(-1).view(np.uint8)[1234] ^= 1  # one bit
     with pytest.raises(KVTransferError, match="checksum mismatch"):
-        KVPayload(flipped, kv.dtype, kv.checksum).verify(4, 2, 16, "float32")
+        KVPayload((KVSlice(flipped, kv.checksum),), kv.dtype).verify(4, 2, 16, "float32")
     with pytest.raises(KVTransferError, match="dtype"):
         kv.verify(4, 2, 16, "bfloat16")
     with pytest.raises(KVTransferError, match="shape"):
