@@ -190,16 +190,15 @@ def router(args: argparse.Namespace) -> None:
 
 
 def scale(args: argparse.Namespace) -> None:
-    import logging
-
     import ray
 
+    from router.ray_instance import join_cluster
     from router.scaler import scale as run
 
     wanted = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None}
     if not wanted:
         raise ValueError("say how many workers: --prefill N and/or --decode M")
-    ray.init(address=args.address, namespace=args.namespace, logging_level=logging.WARNING)
+    join_cluster(args.address, args.namespace)
     try:
         changed = run(args.namespace, wanted, args.drain_timeout, args.startup_timeout)
     finally:

@@ -43,9 +43,10 @@ def attach(address: str, namespace: str, host: str, port: int, model: str | None
     Its mode, model folder and engine limits are the workers' own (`model` overrides the folder
     where this host mounts it elsewhere); it waits up to `wait` seconds for a decode worker."""
     from router.launcher import ClusterSpec
+    from router.ray_instance import join_cluster
     from router.worker_pool import named_workers
 
-    ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+    join_cluster(address, namespace)
     try:
         deadline = time.monotonic() + wait
         workers = named_workers(namespace)
