@@ -45,7 +45,7 @@ def latency_cdfs(results: dict[str, dict], path: Path, title: str) -> Path:
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
     axes[-1].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def rate_sweep(results: Sequence[dict], path: Path, title: str) -> Path:
@@ -66,7 +66,7 @@ def rate_sweep(results: Sequence[dict], path: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def study_figure(results: dict[str, dict], tpot_slo_ms: float, path: Path, title: str) -> Path:
@@ -102,10 +102,10 @@ def study_figure(results: dict[str, dict], tpot_slo_ms: float, path: Path, title
     fig.legend(loc="upper right", fontsize=7, handles=[*bars.get_legend_handles_labels()[0],
                                                       *itl.get_legend_handles_labels()[0]])
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def _save(fig, path: Path) -> Path:
+def save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

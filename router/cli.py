@@ -20,7 +20,8 @@ PRESETS = ("tiny", "small", "1b")
 
 # Commands defined in their own modules: each has `add_command(subparsers)`, which registers its parser and
 # sets `run=` (a function of the parsed arguments) as a default. Importing one must not import torch.
-COMMAND_MODULES: tuple[str, ...] = ("benchmarks.bench_command", "benchmarks.study_command")
+COMMAND_MODULES: tuple[str, ...] = ("benchmarks.bench_command", "benchmarks.study_command",
+                                     "benchmarks.roofline_command")
 
 
 def build_parser() -> argparse.ArgumentParser:
