@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 from router import cli_values as flags
@@ -63,8 +64,10 @@ def run(args: argparse.Namespace) -> None:
     init_local_ray(ClusterSpec(model=model, mode="colocated", num_colocated=len(cores)), num_cpus=len(cores))
     try:
         for index, topology in enumerate(found):
-            print(f"[{index + 1}/{len(found)}] {topology.name} ...", flush=True)
+            print(f"[{index + 1}/{len(found)}] {topology.name} ...", end=" ", flush=True)
+            start = time.perf_counter()
             results.append(pd_study.measure(model, topology, workload, cores, engine_options, index, out))
+            print(f"{time.perf_counter() - start:.0f} s", flush=True)
     finally:
         ray.shutdown()
     summary = pd_study.summarize(results)
