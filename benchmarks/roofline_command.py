@@ -80,6 +80,12 @@ def _print(report: dict) -> None:
     print(f"2. decode step x{dn['seconds'] / d1['seconds']:.2f} from batch {d1['size']} to {dn['size']}; prefill "
           f"step x{pn['seconds'] / p1['seconds']:.2f} over the same batches; decode becomes compute-bound near "
           f"batch {batching['decode_compute_bound_batch']:,.0f}")
+    points = [p for key in ("prefill_vs_length", "batching") for group in ("points", "decode", "prefill")
+              for p in report[key].get(group, [])]
+    noisy = sum(p["foreign_cores"] > 0.25 for p in points)
+    if noisy:
+        print(f"note: {noisy} of {len(points)} points ran while other processes kept more than a quarter of a core "
+              f"busy (foreign_cores in roofline.json): their times are the host's as much as the model's")
     for row in report["disaggregation"]["rows"]:
         print(f"3. a {row['prompt_len']}-token prompt arriving: a running stream waits {row['colocated_s'] * 1e3:.0f} ms "
               f"colocated, {row['chunked_s'] * 1e3:.0f} ms per step for {row['chunked_steps']} steps chunked, "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from benchmarks.cpu_contention import CpuMeter
 from services import Engine, SamplingParams
 
 
@@ -24,9 +25,11 @@ class Point:
     seconds: float
     flops: int
     bytes: int
+    foreign_cores: float = 0.0  # cores other processes kept busy while it was timed (a noisy host)
 
     def as_dict(self) -> dict:
         return {"size": self.size, "seconds": self.seconds, "flops": self.flops, "bytes": self.bytes,
+                "foreign_cores": self.foreign_cores,
                 "flops_per_second": self.flops / self.seconds, "bytes_per_second": self.bytes / self.seconds,
                 "arithmetic_intensity": self.flops / self.bytes}
 
@@ -37,6 +40,7 @@ class Probe:
         self.cost = engine.runner.cost
         self.rng = random.Random(seed)
         self._ids = 0
+        self.foreign_cores: list[float] = []
 
     def _prompt(self, length: int) -> list[int]:
         return [self.rng.randrange(4, self.engine.model_config.vocab_size) for _ in range(length)]
@@ -49,9 +53,18 @@ class Probe:
         return request_id
 
     def _timed_step(self) -> float:
-        start = time.perf_counter()
-        self.engine.step()
-        return time.perf_counter() - start
+        with CpuMeter() as meter:
+            start = time.perf_counter()
+            self.engine.step()
+            seconds = time.perf_counter() - start
+        self.foreign_cores.append(meter.foreign_cores)
+        return seconds
+
+    def _noise(self) -> float:
+        """The median foreign load over the steps timed since the last call."""
+        noise = statistics.median(self.foreign_cores) if self.foreign_cores else 0.0
+        self.foreign_cores = []
+        return noise
 
     def prefill(self, lengths: list[int], batch: int = 1, repeats: int = 2) -> list[Point]:
         """For each prompt length, the best of `repeats` single steps that prefill `batch` fresh prompts."""
@@ -70,12 +83,13 @@ class Probe:
                                        "max_num_batched_tokens")
             flops = self.cost.prefill_flops([length] * batch, [length] * batch, batch)
             points.append(Point(length, best, flops,
-                                self.cost.weight_bytes + self.engine.runner.kv_bytes_per_token * length * batch))
+                                self.cost.weight_bytes + self.engine.runner.kv_bytes_per_token * length * batch,
+                                self._noise()))
         return points
 
     def prefill_batches(self, batches: list[int], length: int, repeats: int = 2) -> list[Point]:
         """Prefill step time against the number of prompts of `length` tokens it takes."""
-        return [Point(b, p.seconds, p.flops, p.bytes) for b in batches
+        return [Point(b, p.seconds, p.flops, p.bytes, p.foreign_cores) for b in batches
                 for p in self.prefill([length], batch=b, repeats=repeats)]
 
     def decode(self, batches: list[int], context: int, steps: int = 5) -> list[Point]:
@@ -90,6 +104,7 @@ class Probe:
                 raise RuntimeError(f"only {len(sched.running)} of {batch} sequences decode at once; raise "
                                    "--kv-cache-memory-gb or lower the batch sizes")
             self.engine.step()  # the first decode step after a prefill: not timed
+            self._noise()  # the prompts' steps are not part of this point
             samples, work = [], []
             for _ in range(steps):
                 contexts = [s.num_tokens for s in sched.running]
@@ -98,7 +113,7 @@ class Probe:
             for request_id in ids:
                 self.engine.abort(request_id)
             points.append(Point(batch, statistics.median(samples), int(np.mean([w[0] for w in work])),
-                                int(np.mean([w[1] for w in work]))))
+                                int(np.mean([w[1] for w in work])), self._noise()))
         return points
 
 
