@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.pd_study import summarize, topologies
+from benchmarks.pd_study import goodput_by_tpot, summarize, topologies
 from router.cli import main
 
 
@@ -42,6 +42,13 @@ def test_summary_picks_the_best_split_by_goodput():
         "goodput_disaggregated_over_colocated"] is None
 
 
+def test_goodput_at_several_tpot_objectives():
+    # TPOTs: (1.0 - 0.2) / 4 = 200 ms, (0.5 - 0.1) / 8 = 50 ms, a one-token request (0), and a failure.
+    result = {"duration": 2.0, "ttfts": [0.2, 0.1, 0.3, 0.0], "e2els": [1.0, 0.5, 0.3, 0.0],
+              "output_lens": [5, 9, 1, 0], "errors": ["", "", "", "HTTP 500"]}
+    assert goodput_by_tpot(result, [40, 50, 199, 200]) == {"40": 0.5, "50": 1.0, "199": 1.0, "200": 1.5}
+
+
 def test_study_on_tiny(tmp_path, capsys):
     out = tmp_path / "study"
     main(["study", "--model", "tiny", "--prompt-len", "24", "--output-len", "4", "--num-prompts", "3",
@@ -53,6 +60,7 @@ def test_study_on_tiny(tmp_path, capsys):
         assert r["total_input_tokens"] >= 3 * 24  # the server counts its BOS, where the model has one
         assert r["request_goodput"] * r["duration"] == pytest.approx(3)  # a one-minute TPOT objective: all met
     assert report["summary"]["best_split"] == "disaggregated 1:1"
+    assert list(report["results"][0]["goodput_by_tpot_objective"]) == ["30000", "45000", "60000", "90000", "120000"]
     assert report["workload"]["prompt_len"] == 24
     assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
