@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
 import ray
 
+from router.rank_placement import check_rank_room, cpu_groups, place_group, rank_options
 from router.ray_instance import connect_ray
-from services.engine_config import EngineConfig
+from services.engine_config import EngineConfig, check_tensor_parallel
 from services.model_config import ModelConfig
 from services.worker_runtime import WorkerSpec
 
@@ -53,11 +53,16 @@ class ClusterSpec:
     # a worker on a GPU node needs a share to see one. None: one each where the cluster has GPUs
     # (on one local host, the GPUs shared evenly among the workers), none without.
     gpus_per_worker: float | None = None
+    # Ranks per worker (tensor parallelism; colocated workers are decode workers): each worker is a
+    # group of that many rank actors on one node (router/rank_placement.py), still one worker to routers.
+    prefill_tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
-        for name in ("num_prefill", "num_decode", "num_colocated"):
+        for name in ("num_prefill", "num_decode", "num_colocated", "prefill_tensor_parallel_size",
+                     "decode_tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_restarts < 0:
@@ -73,7 +78,13 @@ class ClusterSpec:
             EngineConfig(model=self.model, **self.options_for(role))
 
     def options_for(self, role: str) -> dict[str, object]:
-        return {**self.engine_options, **self.role_engine_options.get(role, {})}
+        options = {**self.engine_options, **self.role_engine_options.get(role, {})}
+        if self.tensor_parallel_size(role) > 1:
+            options["tensor_parallel_size"] = self.tensor_parallel_size(role)
+        return options
+
+    def tensor_parallel_size(self, role: str) -> int:
+        return self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
 
     def labels(self, role: str) -> dict[str, str] | None:
         return self.prefill_labels if role == "prefill" else self.decode_labels
@@ -101,9 +112,14 @@ class ClusterSpec:
 
 def validate_topology(spec: ClusterSpec, local: bool = False) -> None:
     """Fail fast when the cluster lacks the resources the workers need, or the model is unusable."""
-    ModelConfig.from_folder(spec.model)
+    model = ModelConfig.from_folder(spec.model)
+    for role in {role for _, role, _ in spec.roles()}:
+        check_tensor_parallel(model, spec.tensor_parallel_size(role))
     totals = ray.cluster_resources()
-    gpus = spec.worker_gpus(totals.get("GPU", 0), local) * len(spec.roles())
+    share = spec.worker_gpus(totals.get("GPU", 0), local)
+    # A tensor-parallel worker's ranks hold a whole GPU each (where there are GPUs).
+    gpus = sum(share if spec.tensor_parallel_size(r) == 1 else (share > 0) * spec.tensor_parallel_size(r)
+               for _, r, _ in spec.roles())
     if gpus > totals.get("GPU", 0) + 1e-9:
         raise RuntimeError(f"the workers ask for {gpus:g} GPU(s) in all but the cluster has "
                            f"{totals.get('GPU', 0):g}; lower --gpus-per-worker or add GPU nodes")
@@ -116,20 +132,14 @@ def validate_topology(spec: ClusterSpec, local: bool = False) -> None:
                                    f"nodes with ray start --labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
             continue
         needed[resource] = needed.get(resource, 0) + 1
+    check_rank_room({role: (sum(r == role for _, r, _ in spec.roles()), spec.tensor_parallel_size(role),
+                            resource, spec.labels(role)) for _, role, resource in spec.roles()}, share)
     for resource, count in needed.items():
         have = totals.get(resource, 0)
         if have < count:
             raise RuntimeError(f"the cluster offers {have:g} of resource {resource!r} but {count} worker(s) need "
                                f"one each; start nodes with --resources='{{\"{resource}\": N}}' or change the "
                                f"worker counts")
-
-
-def _cpu_groups(num_workers: int) -> list[tuple[int, ...] | None]:
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < num_workers:
-        return [None] * num_workers
-    per = len(cores) // num_workers
-    return [tuple(cores[i * per : (i + 1) * per]) for i in range(num_workers)]
 
 
 def wait_for_topology(spec: ClusterSpec, timeout: float, local: bool = False) -> None:
@@ -154,7 +164,8 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
     wait_for_topology(spec, node_wait, local)
     roles = spec.roles()
     gpus = spec.worker_gpus(ray.cluster_resources().get("GPU", 0), local)
-    groups = _cpu_groups(len(roles)) if (local and spec.pin_cpus) else [None] * len(roles)
+    sizes = [spec.tensor_parallel_size(role) for _, role, _ in roles]
+    groups = cpu_groups(sizes) if (local and spec.pin_cpus) else [None] * len(roles)
     actors = []
     for (name, role, resource), cpus in zip(roles, groups):
         cls = PrefillWorker if role == "prefill" else DecodeWorker
@@ -169,7 +180,9 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
         placement = {k: v for k, v in options.items() if k not in ("name", "namespace", "lifetime")}
         worker_spec = WorkerSpec(name, role, spec.model, spec.options_for(role), cpus,
                                  peak_flops=spec.peak_flops, peak_bytes_per_second=spec.peak_bytes_per_second,
-                                 placement=placement)
+                                 placement=placement, rank_options=rank_options(gpus))
+        if worker_spec.tensor_parallel_size > 1:
+            options = place_group(options, worker_spec.tensor_parallel_size, spec.detached, spec.startup_timeout)
         actors.append(ray.remote(cls).options(**options).remote(worker_spec))
     wait_ready(actors, [n for n, _, _ in roles], spec.startup_timeout)
     return actors

@@ -16,17 +16,23 @@ import time
 
 import ray
 
+from router.rank_placement import place_group, rank_unit
 from router.worker_pool import named_workers, worker_order
 
 ROLES = ("prefill", "decode")
 POLL_GRACE = 2.5  # seconds: a router polls each second; two polls after draining, none chooses it
 
 
-def scale(namespace: str, wanted: dict[str, int], drain_timeout: float = 30.0, startup_timeout: float = 300.0
-          ) -> dict[str, list[str]]:
+def scale(namespace: str, wanted: dict[str, int], drain_timeout: float = 30.0, startup_timeout: float = 300.0,
+          tensor_parallel_sizes: dict[str, int] | None = None) -> dict[str, list[str]]:
     """Add or remove workers until each role in `wanted` has that many. Returns the names added and
     removed. Refuses, before changing anything, a count below 1, a role with no worker to copy, or
-    (for workers placed by resource) a cluster without the free resources for the new ones."""
+    (for workers placed by resource) a cluster without the free resources for the new ones.
+    `tensor_parallel_sizes`: the ranks of each role's new workers (default: the copied worker's);
+    a tensor-parallel worker is added and removed as a whole group."""
+    for role, size in (tensor_parallel_sizes or {}).items():
+        if role not in ROLES or size < 1:
+            raise ValueError(f"a tensor-parallel size is at least 1 per role; got {role}={size}")
     workers = named_workers(namespace)
     plan: dict[str, tuple[list[str], list[str]]] = {}
     for role, count in wanted.items():
@@ -38,26 +44,35 @@ def scale(namespace: str, wanted: dict[str, int], drain_timeout: float = 30.0, s
         used = {worker_order(name)[1] for name in have}
         free = (i for i in range(len(have) + count) if i not in used)
         plan[role] = ([f"{role}-{next(free)}" for _ in range(count - len(have))], have[count:])
-    added = _add(namespace, workers, plan, startup_timeout)
+    added = _add(namespace, workers, plan, startup_timeout, tensor_parallel_sizes or {})
     removed = [name for _, (_, gone) in plan.items() for name in gone]
     _remove(namespace, {name: workers[name] for name in removed}, drain_timeout)
     return {"added": added, "removed": removed}
 
 
-def _add(namespace: str, workers: dict[str, object], plan: dict, startup_timeout: float) -> list[str]:
+def _add(namespace: str, workers: dict[str, object], plan: dict, startup_timeout: float,
+         tensor_parallel_sizes: dict[str, int]) -> list[str]:
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
     from router.launcher import wait_ready
 
     templates = {role: ray.get(workers[next(n for n in workers if n.startswith(role + "-"))].worker_spec.remote())
                  for role, (new, _) in plan.items() if new}
-    _check_room({role: (len(plan[role][0]), spec.placement) for role, spec in templates.items()})
+    for role, size in tensor_parallel_sizes.items():
+        if role in templates:
+            options = {k: v for k, v in templates[role].engine_options.items() if k != "tensor_parallel_size"}
+            templates[role] = dataclasses.replace(templates[role], engine_options=(
+                {**options, "tensor_parallel_size": size} if size > 1 else options))
+    _check_room({role: (len(plan[role][0]), spec.placement, spec.tensor_parallel_size)
+                 for role, spec in templates.items()})
     names, actors = [], []
     for role, template in templates.items():
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         for name in plan[role][0]:
             spec = dataclasses.replace(template, worker_id=name, cpu_ids=None)  # unpinned: cores were handed out
             options = dict(template.placement, name=name, namespace=namespace, lifetime="detached")
+            if spec.tensor_parallel_size > 1:  # a group like the template's: a placement group of its own
+                options = place_group(options, spec.tensor_parallel_size, True, startup_timeout)
             actors.append(ray.remote(cls).options(**options).remote(spec))
             names.append(name)
     try:
@@ -69,13 +84,18 @@ def _add(namespace: str, workers: dict[str, object], plan: dict, startup_timeout
     return names
 
 
-def _check_room(additions: dict[str, tuple[int, dict]]) -> None:
+def _check_room(additions: dict[str, tuple[int, dict, int]]) -> None:
     """Fail fast, before creating anything, when the cluster lacks the free resources (custom
-    resources and GPUs) for every worker to add. Workers placed by node labels are not checked
-    here: they wait for a matching node, up to the startup timeout."""
+    resources and GPUs; for tensor-parallel groups a CPU or GPU per rank) for every worker to add.
+    Workers placed by node labels are not checked here: they wait for a matching node, up to the
+    startup timeout (so does a group whose ranks fit the cluster but not one node)."""
     needs: dict[str, float] = {}
-    for count, placement in additions.values():
-        for resource, each in {**placement.get("resources", {}), "GPU": placement.get("num_gpus", 0)}.items():
+    for count, placement, ranks in additions.values():
+        gpus = placement.get("num_gpus", 0)
+        each_worker = {**placement.get("resources", {}), "GPU": gpus}
+        if ranks > 1:
+            each_worker[rank_unit(gpus)] = ranks
+        for resource, each in each_worker.items():
             needs[resource] = needs.get(resource, 0) + each * count
     free = ray.available_resources()
     for resource, need in needs.items():
@@ -99,8 +119,12 @@ def _remove(namespace: str, doomed: dict[str, object], drain_timeout: float) -> 
             if stats is None or (stats.num_running == 0 and stats.num_waiting == 0):
                 del busy[name]
         time.sleep(0.2)
+    groups = [_quietly(lambda a=actor: ray.get(a.placement_group.remote(), timeout=10)) for actor in doomed.values()]
     for actor in doomed.values():
-        _quietly(lambda a=actor: ray.kill(a, no_restart=True))
+        _quietly(lambda a=actor: ray.kill(a, no_restart=True))  # a group's other ranks die with rank 0
+    for group in groups:
+        if group is not None:  # a tensor-parallel worker's bundles, free again
+            _quietly(lambda g=group: ray.util.remove_placement_group(g))
 
 
 def _quietly(call):

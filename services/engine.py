@@ -107,6 +107,9 @@ class Engine:
             raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
         if kv_check is None:  # checked here, so a corrupt payload fails only its own request
             self.verify_kv(kv)
+        else:  # the layout at least, now: a copy must never start from a payload of another shape
+            c = self.model_config
+            kv.check_layout(c.num_layers, c.num_kv_heads, c.head_dim, str(self.dtype).removeprefix("torch."))
         seq = self._sequence(request_id, list(prompt_token_ids) + [first.token_id], len(prompt_token_ids), params)
         if first.logprobs is not None:
             seq.output_logprobs.append(first.logprobs)

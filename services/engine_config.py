@@ -101,3 +101,22 @@ class EngineConfig:
         by_memory = int(self.kv_cache_memory_gb * 2**30) // bytes_per_block
         by_need = self.max_num_seqs * -(-max_model_len // self.block_size)
         return max(1, min(by_memory, by_need))
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Raise ValueError, naming the numbers, unless `size` ranks can split this model (Megatron-style:
+    heads, intermediate rows and vocab rows evenly; kv heads evenly, or replicated when fewer than ranks)."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    problems = []
+    if config.num_heads % size:
+        problems.append(f"{config.num_heads} attention heads")
+    k = config.num_kv_heads
+    if (k >= size and k % size) or (k < size and size % k):
+        problems.append(f"{k} kv heads (needs a multiple of {size}, or a divisor of it to replicate)")
+    if config.intermediate_size % size:
+        problems.append(f"intermediate size {config.intermediate_size}")
+    if config.vocab_size % size:
+        problems.append(f"vocab size {config.vocab_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size {size} does not divide this model: " + ", ".join(problems))

@@ -108,8 +108,17 @@ class KVPayload:
         return pieces
 
     def verify(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> None:
-        """Raise KVTransferError unless the slices cover the heads, shapes and dtype match what the
-        receiver expects, and every slice's checksum holds."""
+        """Raise KVTransferError unless the layout fits (`check_layout`) and every slice's checksum holds."""
+        self.check_layout(num_layers, num_kv_heads, head_dim, dtype)
+        for s in self.slices:
+            actual = kv_checksum(s.data)
+            if actual != s.checksum:
+                raise KVTransferError(f"KV checksum mismatch in heads from {s.head_start}: sent "
+                                      f"{s.checksum:#018x}, received {actual:#018x}")
+
+    def check_layout(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> None:
+        """Raise KVTransferError unless the slices cover the heads in order and shapes and dtype match
+        (no pass over the bytes: cheap enough to run before the copy that the checksum runs beside)."""
         if self.dtype != dtype:
             raise KVTransferError(f"KV dtype {self.dtype} does not match the pool's {dtype}")
         next_head = 0
@@ -125,8 +134,3 @@ class KVPayload:
         if next_head != num_kv_heads:
             raise KVTransferError(f"KV shape covers {next_head} kv heads, expected {num_kv_heads} "
                                   f"({(num_layers, 2, self.num_tokens, num_kv_heads, head_dim)})")
-        for s in self.slices:
-            actual = kv_checksum(s.data)
-            if actual != s.checksum:
-                raise KVTransferError(f"KV checksum mismatch in heads from {s.head_start}: sent "
-                                      f"{s.checksum:#018x}, received {actual:#018x}")

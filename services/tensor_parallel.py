@@ -8,7 +8,9 @@ step's plan, then all ranks run the same forward (services/tensor_parallel_runne
 
 from __future__ import annotations
 
+import functools
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,8 +41,29 @@ class GroupSpec:
     timeout_s: float = 300.0
 
 
+def _collective(method):
+    """A collective that fails (a rank died: gloo sees its connection close) calls `on_failure` first."""
+
+    @functools.wraps(method)
+    def wrapper(self: RankGroup, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as error:
+            if self.on_failure is not None:
+                self.on_failure(error)
+            raise
+
+    return wrapper
+
+
 class RankGroup:
-    """This process's rank in a group; collectives over all ranks. `size == 1` needs no group."""
+    """This process's rank in a group; collectives over all ranks. `size == 1` needs no group.
+
+    `on_failure(error)` runs when a collective fails: a Ray worker exits there (a group with a dead
+    rank is of no use, and its streams resume elsewhere only if the whole worker goes down, not if
+    each request fails with the error)."""
+
+    on_failure: Callable[[BaseException], None] | None = None
 
     def __init__(self, spec: GroupSpec, rank: int, device: torch.device) -> None:
         if not 0 <= rank < spec.size:
@@ -56,11 +79,13 @@ class RankGroup:
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    @_collective
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (the row-parallel layers' partial products)."""
         dist.all_reduce(x)
         return x
 
+    @_collective
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's `x` [M, n] along the last dim, on rank 0 ([M, size * n]); None elsewhere.
         Only rank 0 samples, so only it needs the vocab-parallel logits whole."""
@@ -69,15 +94,18 @@ class RankGroup:
         dist.gather(x, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.is_driver else None
 
+    @_collective
     def broadcast(self, obj: object) -> object:
         """Rank 0's `obj` on every rank (pickled; followers pass None)."""
         box = [obj]
         dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
         return box[0]
 
+    @_collective
     def send(self, x: torch.Tensor, dst: int) -> None:
         dist.send(x.contiguous(), dst)
 
+    @_collective
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
         dist.recv(x, src)
         return x

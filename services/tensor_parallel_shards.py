@@ -13,25 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine_config import check_tensor_parallel
 from services.model_config import ModelConfig
 
-
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
-    """Raise ValueError, naming the numbers, unless `size` ranks can split this model."""
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
-    problems = []
-    if config.num_heads % size:
-        problems.append(f"{config.num_heads} attention heads")
-    k = config.num_kv_heads
-    if (k >= size and k % size) or (k < size and size % k):
-        problems.append(f"{k} kv heads (needs a multiple of {size}, or a divisor of it to replicate)")
-    if config.intermediate_size % size:
-        problems.append(f"intermediate size {config.intermediate_size}")
-    if config.vocab_size % size:
-        problems.append(f"vocab size {config.vocab_size}")
-    if problems:
-        raise ValueError(f"tensor_parallel_size {size} does not divide this model: " + ", ".join(problems))
+__all__ = ["ShardLayout", "check_tensor_parallel", "kv_head_range", "shard_weights"]
 
 
 @dataclass(frozen=True)

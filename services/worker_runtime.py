@@ -25,6 +25,13 @@ class WorkerSpec:
     # The Ray actor options it was placed with (resources or labels, GPU share, restarts), so that
     # `pdserve scale` can add workers placed like it.
     placement: dict[str, object] = field(default_factory=dict)
+    # A tensor-parallel worker (engine_options["tensor_parallel_size"] > 1): the Ray options of each of
+    # its ranks 1..N-1 (num_cpus or num_gpus: what one bundle of its placement group holds).
+    rank_options: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine_options.get("tensor_parallel_size", 1))
 
 
 class WorkerActor:
@@ -34,7 +41,8 @@ class WorkerActor:
         import ray
 
         self.spec = spec
-        self.engine = start_engine(spec)
+        self.rank_group = None  # a tensor-parallel worker's other ranks (services/tensor_parallel_group.py)
+        self.engine = self._start_engine()
         self.peaks = hardware_peaks(spec, self.engine)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self.queue_log = SampleLog()
@@ -46,6 +54,12 @@ class WorkerActor:
     def worker_spec(self) -> WorkerSpec:
         return self.spec
 
+    def placement_group(self):
+        """The placement group of a tensor-parallel worker's ranks (removed with it), else None."""
+        from ray.util import get_current_placement_group
+
+        return get_current_placement_group() if self.spec.tensor_parallel_size > 1 else None
+
     def drain(self, draining: bool = True) -> None:
         """Take no new requests (False: take them again): routers see it at their next stats poll."""
         self.draining = draining
@@ -55,7 +69,19 @@ class WorkerActor:
         return worker_stats(self.spec, self.engine, self.node_id, self.peaks, self.queue_log, reader, self.draining)
 
     def shutdown(self) -> None:
+        if self.rank_group is not None:
+            self.rank_group.stopping = True
         self.engine.shutdown()
+        self.engine.engine.close()  # a tensor-parallel group's other ranks stop
+
+    def _start_engine(self) -> AsyncEngine:
+        if self.spec.tensor_parallel_size == 1:
+            return start_engine(self.spec)
+        from services.tensor_parallel_group import start_group_engine
+
+        engine, self.rank_group = start_group_engine(self.spec.model, dict(self.spec.engine_options),
+                                                     self.spec.cpu_ids, self.spec.rank_options)
+        return AsyncEngine(engine)
 
 
 def start_engine(spec: WorkerSpec) -> AsyncEngine:
@@ -73,10 +99,12 @@ def hardware_peaks(spec: WorkerSpec, engine: AsyncEngine):
     """The ceilings the efficiency gauges divide by: the spec's, else measured here, now."""
     from services.hardware_peaks import HardwarePeaks
 
+    n = spec.tensor_parallel_size  # the peaks are one device's (rank's); a group's ceiling is n of them
     if spec.peak_flops is not None and spec.peak_bytes_per_second is not None:
-        return HardwarePeaks(spec.peak_flops, spec.peak_bytes_per_second)
+        return HardwarePeaks(spec.peak_flops * n, spec.peak_bytes_per_second * n)
     measured = HardwarePeaks.measure(engine.engine.dtype, engine.engine.device)
-    return HardwarePeaks(spec.peak_flops or measured.flops, spec.peak_bytes_per_second or measured.bytes_per_second)
+    return HardwarePeaks((spec.peak_flops or measured.flops) * n,
+                         (spec.peak_bytes_per_second or measured.bytes_per_second) * n)
 
 
 def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks, queue_log: SampleLog,

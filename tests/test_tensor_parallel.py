@@ -143,3 +143,16 @@ def test_a_corrupt_slice_is_named(tiny_path):
         KVPayload(kv.slices[:1], "float32").verify(4, 2, 16, "float32")
     assert [offset for offset, _ in kv.heads(0, 2)] == [0, 1]
     assert torch.equal(torch.from_numpy(kv.heads(1, 1)[0][1]), torch.ones(4, 2, 3, 1, 16))
+
+
+def test_cores_split_between_workers_by_ranks_then_between_ranks(monkeypatch):
+    from router import rank_placement
+    from services.tensor_parallel_group import split_cpus
+
+    monkeypatch.setattr(rank_placement.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert rank_placement.cpu_groups([1, 2]) == [(0, 1), (2, 3, 4, 5)]  # 8 cores // 3 ranks = 2 per rank
+    assert rank_placement.cpu_groups([4, 4, 2]) == [None, None, None]  # fewer cores than ranks: unpinned
+    assert split_cpus((2, 3, 4, 5), 2) == [(2, 3), (4, 5)]
+    assert split_cpus((2,), 2) == [None, None]
+    assert rank_placement.rank_options(0.0) == {"num_cpus": 1}
+    assert rank_placement.rank_options(1.0) == {"num_gpus": 1, "num_cpus": 0}
