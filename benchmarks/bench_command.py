@@ -14,10 +14,23 @@ from router import cli_values as flags
 
 
 def _rate(value: str) -> float:
-    rate = float(value)  # "inf" included
+    try:
+        rate = float(value)  # "inf" included
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a request rate is a number of requests/s or inf, got {value!r}") from None
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"a request rate must be positive (or inf), got {value!r}")
     return rate
+
+
+def _percentiles(value: str) -> tuple[float, ...]:
+    try:
+        found = tuple(float(p) for p in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"percentiles are comma-separated numbers, got {value!r}") from None
+    if not all(0 < p <= 100 for p in found):
+        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100], got {value!r}")
+    return found
 
 
 def add_command(subparsers) -> None:
@@ -45,9 +58,10 @@ def add_command(subparsers) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                        help="objectives for goodput, e.g. ttft:500 tpot:50 (NAME: ttft, tpot, e2el)")
-    bench.add_argument("--percentiles", type=float, nargs="+", default=[50, 90, 99], dest="metric_percentiles",
-                       help="percentiles reported for TTFT, TPOT, ITL, E2E (default 50 90 99)")
-    bench.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    bench.add_argument("--metric-percentiles", type=_percentiles, default=(50.0, 90.0, 99.0),
+                       help="comma-separated percentiles reported for TTFT, TPOT, ITL, E2E (default 50,90,99)")
+    bench.add_argument("--ignore-eos", action="store_true",
+                       help="every request makes exactly its output length (vLLM's and pdserve's ignore_eos)")
     bench.add_argument("--request-timeout", type=flags.positive_float, default=600.0,
                        help="seconds without a byte after which a request counts as failed")
     bench.add_argument("--result-json", default=None, help="write the result here (a sweep: one file per rate)")
@@ -72,7 +86,7 @@ def run(args: argparse.Namespace) -> None:
         config = serve_bench.BenchConfig(
             base_url=base_url, endpoint=args.endpoint, model=args.model or "", api_key=args.api_key,
             request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
-            goodput=goodput, percentiles=tuple(args.metric_percentiles), ignore_eos=not args.no_ignore_eos,
+            goodput=goodput, percentiles=args.metric_percentiles, ignore_eos=args.ignore_eos,
             timeout_s=args.request_timeout, progress=not args.disable_tqdm)
         result = asyncio.run(serve_bench.run(requests, config))
         print(serve_bench.summary(result), flush=True)

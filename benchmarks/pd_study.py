@@ -124,7 +124,7 @@ def run_bench(url: str, workload: Workload, result_path: Path) -> dict:
                "--random-input-len", str(workload.prompt_len), "--random-output-len", str(workload.output_len),
                "--num-prompts", str(workload.num_prompts), "--request-rate", f"{workload.request_rate:g}",
                "--seed", str(workload.seed), "--goodput", *goodput, "--result-json", str(result_path),
-               "--disable-tqdm", "--request-timeout", "300"]
+               "--ignore-eos", "--disable-tqdm", "--request-timeout", "300"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"pdserve bench failed ({done.returncode}): {done.stderr[-2000:]}")

@@ -32,7 +32,7 @@ class BenchConfig:
     seed: int = 0
     goodput: dict[str, float] | None = None  # objectives in ms: ttft, tpot, e2el
     percentiles: tuple[float, ...] = (50, 90, 99)
-    ignore_eos: bool = True
+    ignore_eos: bool = False
     timeout_s: float = 600.0  # a request with no byte for this long fails
     progress: bool = True
 

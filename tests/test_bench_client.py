@@ -119,7 +119,24 @@ def test_a_dead_server_is_a_clear_error_not_a_hang(tmp_path, capsys):
 
 def test_bad_flags_name_the_value(tmp_path, capsys):
     for flags, needle in ((["--request-rate", "0"], "request rate must be positive"),
+                          (["--request-rate", "fast"], "requests/s or inf"),
+                          (["--metric-percentiles", "50,101"], "(0, 100]"),
                           (["--goodput", "itl:3"], "--goodput 'itl:3'")):
         with pytest.raises(SystemExit):
             main(["bench", "--base-url", "http://127.0.0.1:1", "--disable-tqdm", *flags])
         assert needle in capsys.readouterr().err
+
+
+def test_chat_endpoint_against_the_router_app(tmp_path):
+    """Random token ids become text through the server's /detokenize; the real router app (before
+    stand-in workers that answer each request in one delta) counts the tokens in its usage."""
+    from benchmarks import router_stand_in as stand_in
+
+    with stand_in.served(stand_in.state(max_model_len=512)) as url:
+        main(["bench", "--base-url", url, "--endpoint", "/v1/chat/completions", "--num-prompts", "3",
+              "--random-input-len", "20", "--random-output-len", "5", "--ignore-eos", "--disable-tqdm",
+              "--metric-percentiles", "50,99.9", "--result-json", str(tmp_path / "chat.json")])
+    r = json.loads((tmp_path / "chat.json").read_text())
+    assert (r["completed"], r["failed"], r["total_output_tokens"], r["model_id"]) == (3, 0, 15, "stand-in")
+    assert r["backend"] == "openai-chat" and r["itls"] == [[], [], []]  # one event each: no gap
+    assert "p99.9_ttft_ms" in r and "p90_ttft_ms" not in r
