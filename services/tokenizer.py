@@ -13,6 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from services.errors import CheckpointError
+from services.gguf_folder import resolve_folder
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -77,8 +78,9 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> Tokenizer:
-        """Loads `tokenizer.json`, `tokenizer_config.json` and, if present, `chat_template.jinja`."""
-        folder = Path(path)
+        """Loads `tokenizer.json`, `tokenizer_config.json` and, if present, `chat_template.jinja` (from a
+        `.gguf` file's converted folder for a GGUF path: services/gguf_folder.py)."""
+        folder = resolve_folder(path)
         tokenizer_file = folder / "tokenizer.json"
         config_file = folder / "tokenizer_config.json"
         if not tokenizer_file.is_file():
