@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-restarts", type=flags.non_negative_int, default=3,
                        help="times Ray starts a dead worker again (it reloads the model)")
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
+    serve.add_argument("--tensor-parallel-size", type=flags.positive_int, default=1,
+                       help="ranks per worker, sharding the model (docs/tensor-parallel.md)")
+    serve.add_argument("--prefill-tensor-parallel-size", type=flags.positive_int, default=None,
+                       help="ranks per prefill worker (default: --tensor-parallel-size)")
+    serve.add_argument("--decode-tensor-parallel-size", type=flags.positive_int, default=None,
+                       help="ranks per decode worker (default: --tensor-parallel-size; colocated workers are decode)")
     _router_flags(serve)
 
     router = sub.add_parser("router", help="one more router for workers already running (they are shared by name)")
@@ -93,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--drain-timeout", type=flags.non_negative_float, default=30.0,
                        help="seconds a removed worker may finish its requests; what is left then resumes elsewhere")
     scale.add_argument("--startup-timeout", type=flags.positive_float, default=300.0)
+    scale.add_argument("--prefill-tensor-parallel-size", type=flags.positive_int, default=None,
+                       help="ranks of each prefill worker added (default: like the existing ones)")
+    scale.add_argument("--decode-tensor-parallel-size", type=flags.positive_int, default=None,
+                       help="ranks of each decode worker added (default: like the existing ones)")
 
     gen = sub.add_parser("generate", help="generate offline with the engine (no Ray, no HTTP)")
     gen.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
@@ -101,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=flags.non_negative_float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    gen.add_argument("--tensor-parallel-size", type=flags.positive_int, default=1,
+                     help="ranks sharding the model (local processes)")
     _kernel_flags(gen)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_command(sub)
@@ -184,6 +196,8 @@ def serve(args: argparse.Namespace) -> None:
                        pin_cpus=not args.no_pin_cpus,
                        detached=args.detached, max_restarts=args.worker_restarts,
                        gpus_per_worker=args.gpus_per_worker,
+                       prefill_tensor_parallel_size=args.prefill_tensor_parallel_size or args.tensor_parallel_size,
+                       decode_tensor_parallel_size=args.decode_tensor_parallel_size or args.tensor_parallel_size,
                        peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
                        peak_bytes_per_second=None if args.peak_gbps is None else args.peak_gbps * 1e9)
     address = None if args.address is None else args.address
@@ -213,7 +227,9 @@ def scale(args: argparse.Namespace) -> None:
         raise ValueError("say how many workers: --prefill N and/or --decode M")
     join_cluster(args.address, args.namespace)
     try:
-        changed = run(args.namespace, wanted, args.drain_timeout, args.startup_timeout)
+        sizes = {role: n for role, n in (("prefill", args.prefill_tensor_parallel_size),
+                                         ("decode", args.decode_tensor_parallel_size)) if n is not None}
+        changed = run(args.namespace, wanted, args.drain_timeout, args.startup_timeout, sizes)
     finally:
         ray.shutdown()
     print(f"added {', '.join(changed['added']) or 'none'}; removed {', '.join(changed['removed']) or 'none'}")
@@ -230,10 +246,13 @@ def generate(args: argparse.Namespace) -> None:
     from services import Engine, SamplingParams
 
     engine = Engine(model=resolve_model(args.model), dtype=args.dtype, quantization=_quantization(args.quantization),
-                    **_kernels(args))
+                    tensor_parallel_size=args.tensor_parallel_size, **_kernels(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.perf_counter()
-    outputs = engine.generate(args.prompt, params)
+    try:
+        outputs = engine.generate(args.prompt, params)
+    finally:
+        engine.close()
     elapsed = time.perf_counter() - start
     for prompt, out in zip(args.prompt, outputs):
         print(f"--- {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason})\n{out.text}")
