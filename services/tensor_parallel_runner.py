@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,12 @@ class TensorParallel:
         if group_spec is None:
             group_spec = GroupSpec(free_address(), size)
             options = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
+            if options["num_threads"] is None and device.type == "cpu":
+                # The ranks share this host's cores: torch's default (every core, per rank) oversubscribes
+                # them, and a rank late to each collective stalls all (measured: tiny, 2 cores, 2 threads
+                # per rank: 30x slower than one each).
+                options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // size)
+                torch.set_num_threads(options["num_threads"])
             context = multiprocessing.get_context("spawn")
             for r in range(1, size):
                 process = context.Process(target=run_follower, args=(config.model, options, group_spec, r),
