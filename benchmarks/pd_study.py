@@ -48,7 +48,7 @@ class Workload:
     prompt_len: int
     output_len: int
     num_prompts: int
-    request_rate: float
+    request_rates: tuple[float, ...]  # each topology runs the workload at each rate, in turn
     tpot_slo_ms: float
     ttft_slo_ms: float | None
     seed: int
@@ -82,8 +82,9 @@ def topologies(num_workers: int, chunk_size: int, kinds: tuple[str, ...] = KINDS
 
 
 def measure(model: str, topology: Topology, workload: Workload, cores: list[int], engine_options: dict,
-            index: int, out_dir: Path) -> dict:
-    """Start `topology`'s workers on `cores`, serve a router, run `pdserve bench`; its result dict."""
+            index: int, out_dir: Path) -> list[dict]:
+    """Start `topology`'s workers on `cores`, serve a router, run `pdserve bench` at each rate; the
+    result dict of each run."""
     from benchmarks.local_cluster import serve_router
     from router.launcher import ClusterSpec, start_workers, stop_workers
 
@@ -94,19 +95,23 @@ def measure(model: str, topology: Topology, workload: Workload, cores: list[int]
                        num_decode=topology.num_decode, num_colocated=topology.num_decode,
                        namespace=f"pd-study-{os.getpid()}-{index}", engine_options=options)
     actors = start_workers(spec, local=True)
+    results = []
     try:
         with serve_router(spec, "study-model", local_prefill_tokens=topology.local_prefill_tokens) as (url, state):
             _warm_up(url, state.pool, topology)
-            load_before = os.getloadavg()
-            result = run_bench(url, workload, out_dir / f"bench-{index}.json")
-            result["load_average_before"], result["load_average_after"] = load_before, os.getloadavg()
+            for rate in workload.request_rates:
+                load_before = os.getloadavg()
+                result = run_bench(url, workload, rate, out_dir / f"bench-{index}-rate{rate:g}.json")
+                result["load_average_before"], result["load_average_after"] = load_before, os.getloadavg()
+                results.append(result)
     finally:
         stop_workers(actors)
-    result["topology"] = topology.name
-    result["threads_per_worker"] = threads
     objectives = [f * workload.tpot_slo_ms for f in OBJECTIVE_FACTORS]
-    result["goodput_by_tpot_objective"] = goodput_by_tpot(result, objectives)
-    return result
+    for result in results:
+        result["topology"] = topology.name
+        result["threads_per_worker"] = threads
+        result["goodput_by_tpot_objective"] = goodput_by_tpot(result, objectives)
+    return results
 
 
 def goodput_by_tpot(result: dict, objectives_ms: list[float]) -> dict[str, float]:
@@ -117,12 +122,12 @@ def goodput_by_tpot(result: dict, objectives_ms: list[float]) -> dict[str, float
     return {f"{ms:g}": sum(1e3 * t <= ms for t in tpots) / result["duration"] for ms in objectives_ms}
 
 
-def run_bench(url: str, workload: Workload, result_path: Path) -> dict:
+def run_bench(url: str, workload: Workload, rate: float, result_path: Path) -> dict:
     """`pdserve bench` in its own process (the load client never shares this process's GIL)."""
     goodput = [f"tpot:{workload.tpot_slo_ms:g}"] + ([f"ttft:{workload.ttft_slo_ms:g}"] if workload.ttft_slo_ms else [])
     command = [sys.executable, "-m", "router.cli", "bench", "--base-url", url, "--dataset-name", "random",
                "--random-input-len", str(workload.prompt_len), "--random-output-len", str(workload.output_len),
-               "--num-prompts", str(workload.num_prompts), "--request-rate", f"{workload.request_rate:g}",
+               "--num-prompts", str(workload.num_prompts), "--request-rate", f"{rate:g}",
                "--seed", str(workload.seed), "--goodput", *goodput, "--result-json", str(result_path),
                "--ignore-eos", "--disable-tqdm", "--request-timeout", "300"]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -148,8 +153,8 @@ def _warm_up(url: str, pool, topology: Topology, timeout: float = 60.0) -> None:
 
 
 def summarize(results: list[dict]) -> dict:
-    """The headline ratios: colocated over the best split for p99 ITL, the best split's goodput over
-    colocated's, and which split was best (most goodput; then lowest p99 ITL)."""
+    """The headline ratios of runs at one rate: colocated over the best split for p99 ITL, the best
+    split's goodput over colocated's, and which split was best (most goodput; then lowest p99 ITL)."""
     by_name = {r["topology"]: r for r in results}
     splits = [r for r in results if r["topology"].startswith("disaggregated") and "cost model" not in r["topology"]]
     summary: dict = {}

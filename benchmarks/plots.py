@@ -105,6 +105,25 @@ def study_figure(results: dict[str, dict], tpot_slo_ms: float, path: Path, title
     return save(fig, path)
 
 
+def study_rates(results: list[dict], path: Path, title: str) -> Path:
+    """Goodput, p99 ITL and p99 TTFT against the request rate, one line per topology."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name in dict.fromkeys(r["topology"] for r in results):
+        runs = sorted((r for r in results if r["topology"] == name), key=lambda r: float(r["request_rate"]))
+        rates = [float(r["request_rate"]) for r in runs]
+        for ax, key in zip(axes, ("request_goodput", "p99_itl_ms", "p99_ttft_ms")):
+            ax.plot(rates, [r[key] for r in runs], marker="o", label=name)
+    for ax, label in zip(axes, ("goodput (req/s)", "p99 ITL (ms)", "p99 TTFT (ms)")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
 def save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

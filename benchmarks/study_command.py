@@ -1,6 +1,6 @@
 """`pdserve study`: colocated vs disaggregated serving on the same pinned cores under one Poisson
-workload of long prompts (benchmarks/pd_study.py); a table, study.json and study.png. Importing this
-module imports no torch."""
+workload of long prompts (benchmarks/pd_study.py); a table, study.json and a study PNG per rate
+(and one by rate). Importing this module imports no torch."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 
 from router import cli_values as flags
 
+PER_REQUEST = ("ttfts", "itls", "e2els", "input_lens", "output_lens", "errors")  # kept in each bench-*.json
+
 
 def add_command(subparsers) -> None:
     study = subparsers.add_parser("study", help="colocated vs disaggregated on the same cores, one Poisson workload")
@@ -20,8 +22,9 @@ def add_command(subparsers) -> None:
     study.add_argument("--prompt-len", type=flags.positive_int, default=768)
     study.add_argument("--output-len", type=flags.positive_int, default=96)
     study.add_argument("--num-prompts", type=flags.positive_int, default=24)
-    study.add_argument("--request-rate", type=flags.positive_float, default=0.3,
-                       help="requests/s, Poisson (default %(default)s: loads colocated serving of `small` on 2 cores)")
+    study.add_argument("--request-rate", type=flags.positive_float, nargs="+", default=[0.25, 0.4],
+                       help="requests/s, Poisson; each topology runs at each (default 0.25 0.4: they load "
+                            "colocated serving of `small` on 2 cores)")
     study.add_argument("--tpot-slo", type=flags.positive_float, default=100.0,
                        help="the TPOT objective of goodput, ms (default %(default)s, DistServe's chatbot "
                             "objective); goodput is also reported at 0.5-2x it")
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     if args.cores and args.cores > len(available):
         raise ValueError(f"--cores {args.cores}: this process may run on {len(available)} cores only")
     found = pd_study.topologies(len(cores), args.chunk_size, tuple(args.topologies))
-    workload = pd_study.Workload(args.prompt_len, args.output_len, args.num_prompts, args.request_rate,
+    workload = pd_study.Workload(args.prompt_len, args.output_len, args.num_prompts, tuple(args.request_rate),
                                  args.tpot_slo, args.ttft_slo, args.seed)
     model = resolve_model(args.model)
     out = Path(args.out)
@@ -67,27 +70,35 @@ def run(args: argparse.Namespace) -> None:
         for index, topology in enumerate(found):
             print(f"[{index + 1}/{len(found)}] {topology.name} ...", end=" ", flush=True)
             start = time.perf_counter()
-            results.append(pd_study.measure(model, topology, workload, cores, engine_options, index, out))
+            results.extend(pd_study.measure(model, topology, workload, cores, engine_options, index, out))
             print(f"{time.perf_counter() - start:.0f} s", flush=True)
     finally:
         ray.shutdown()
-    summary = pd_study.summarize(results)
     report = {"environment": environment() | {"cores": cores, "load_average_end": os.getloadavg()},
-              "model": model, "workload": vars(workload), "summary": summary,
-              "results": [{k: v for k, v in r.items() if k not in ("ttfts", "itls", "e2els", "input_lens",
-                                                                    "output_lens", "errors")} for r in results]}
+              "model": model, "workload": vars(workload), "summary": {}, "results": []}
+    pictures = []
+    for rate in workload.request_rates:
+        at_rate = [r for r in results if r["request_rate"] == rate]
+        report["summary"][f"{rate:g}"] = summary = pd_study.summarize(at_rate)
+        print(f"\n{rate:g} requests/s:\n{_table(at_rate, workload, format_table)}")
+        objectives = list(at_rate[0]["goodput_by_tpot_objective"])
+        print("goodput (req/s) at other TPOT objectives:\n" + format_table(
+            ["topology", *(f"<= {ms} ms" for ms in objectives)],
+            [[r["topology"], *r["goodput_by_tpot_objective"].values()] for r in at_rate]))
+        for key, value in summary.items():
+            print(f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}")
+        pictures.append(plots.study_figure({r["topology"]: r for r in at_rate}, workload.tpot_slo_ms,
+                                           out / f"study-rate{rate:g}.png", _title(model, args, f"{rate:g} req/s", cores)))
+    if len(workload.request_rates) > 1:
+        pictures.append(plots.study_rates(results, out / "study-rates.png", _title(model, args, "by rate", cores)))
+    report["results"] = [{k: v for k, v in r.items() if k not in PER_REQUEST} for r in results]
     (out / "study.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(_table(results, workload, format_table))
-    objectives = list(results[0]["goodput_by_tpot_objective"])
-    print("\ngoodput (req/s) at other TPOT objectives:")
-    print(format_table(["topology", *(f"<= {ms} ms" for ms in objectives)],
-                       [[r["topology"], *r["goodput_by_tpot_objective"].values()] for r in results]))
-    for key, value in summary.items():
-        print(f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}")
-    picture = plots.study_figure({r["topology"]: r for r in results}, workload.tpot_slo_ms, out / "study.png",
-                                 f"{Path(model).name}: {args.prompt_len}-token prompts, {args.output_len} out, "
-                                 f"{args.request_rate:g} req/s Poisson, {len(cores)} cores")
-    print(f"wrote {out / 'study.json'} and {picture}")
+    print(f"wrote {out / 'study.json'}, " + ", ".join(str(p) for p in pictures))
+
+
+def _title(model: str, args: argparse.Namespace, rates: str, cores: list[int]) -> str:
+    return (f"{Path(model).name}: {args.prompt_len}-token prompts, {args.output_len} out, {rates} Poisson, "
+            f"{len(cores)} cores")
 
 
 def _table(results: list[dict], workload, format_table) -> str:

@@ -52,16 +52,18 @@ def test_goodput_at_several_tpot_objectives():
 def test_study_on_tiny(tmp_path, capsys):
     out = tmp_path / "study"
     main(["study", "--model", "tiny", "--prompt-len", "24", "--output-len", "4", "--num-prompts", "3",
-          "--request-rate", "20", "--topologies", "colocated", "split", "--tpot-slo", "60000", "--out", str(out)])
+          "--request-rate", "20", "40", "--topologies", "colocated", "split", "--tpot-slo", "60000", "--out", str(out)])
     report = json.loads((out / "study.json").read_text())
-    assert [r["topology"] for r in report["results"]] == ["colocated", "disaggregated 1:1"]
+    assert [(r["topology"], r["request_rate"]) for r in report["results"]] == [
+        ("colocated", 20), ("colocated", 40), ("disaggregated 1:1", 20), ("disaggregated 1:1", 40)]
     for r in report["results"]:
         assert (r["completed"], r["failed"], r["total_output_tokens"]) == (3, 0, 12)
         assert r["total_input_tokens"] >= 3 * 24  # the server counts its BOS, where the model has one
         assert r["request_goodput"] * r["duration"] == pytest.approx(3)  # a one-minute TPOT objective: all met
-    assert report["summary"]["best_split"] == "disaggregated 1:1"
+    assert report["summary"]["20"]["best_split"] == report["summary"]["40"]["best_split"] == "disaggregated 1:1"
     assert list(report["results"][0]["goodput_by_tpot_objective"]) == ["30000", "45000", "60000", "90000", "120000"]
     assert report["workload"]["prompt_len"] == 24
-    assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
+    for name in ("study-rate20.png", "study-rate40.png", "study-rates.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "disaggregated 1:1" in printed and "goodput_disaggregated_over_colocated" in printed
