@@ -82,6 +82,9 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int,
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         out.error = f"{type(error).__name__}: {error}"
         return out
+    except (KeyError, IndexError, TypeError, AttributeError) as error:  # an event not shaped as OpenAI's
+        out.error = f"malformed event ({type(error).__name__}: {error})"
+        return out
     if not done:
         out.error = "the stream ended without [DONE]"
         return out

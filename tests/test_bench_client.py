@@ -41,6 +41,9 @@ def stub_app() -> FastAPI:
                 if prompt.startswith("error") and i == 1:
                     yield f"data: {json.dumps({'error': {'message': 'engine died', 'code': 500}})}\n\n"
                     return
+                if prompt.startswith("odd") and i == 1:
+                    yield 'data: {"choices": [7]}\n\n'  # a choice that is not an object
+                    continue
                 if prompt.startswith("stall") and i == 1:
                     await asyncio.Event().wait()  # never set: only the client's timeout ends this request
                 chunk = {"id": "c", "object": "text_completion", "model": "stub-model",
@@ -74,19 +77,21 @@ def bench(url: str, dataset: str, *extra: str) -> None:
 
 def test_counts_tokens_and_failures(stub_url, tmp_path, capsys):
     dataset = write_prompts(tmp_path / "p.jsonl", [
-        ("one two three", 5), ("four five", 3), ("http500 x", 4), ("error y", 4), ("drop z", 6), ("stall w", 4)])
+        ("one two three", 5), ("four five", 3), ("http500 x", 4), ("error y", 4), ("drop z", 6), ("stall w", 4),
+        ("odd v", 3)])
     result_path = tmp_path / "result.json"
-    bench(stub_url, dataset, "--num-prompts", "6", "--request-rate", "inf", "--goodput", "tpot:60000",
+    bench(stub_url, dataset, "--num-prompts", "7", "--request-rate", "inf", "--goodput", "tpot:60000",
           "--result-json", str(result_path), "--plot", str(tmp_path / "plots"))
     r = json.loads(result_path.read_text())
-    assert (r["completed"], r["failed"], r["num_prompts"], r["model_id"]) == (2, 4, 6, "stub-model")
+    assert (r["completed"], r["failed"], r["num_prompts"], r["model_id"]) == (2, 5, 7, "stub-model")
     assert (r["total_input_tokens"], r["total_output_tokens"]) == (5, 8)
-    assert r["output_lens"] == [5, 3, 0, 0, 0, 0]
+    assert r["output_lens"] == [5, 3, 0, 0, 0, 0, 0]
     assert [len(gaps) for gaps in r["itls"][:2]] == [4, 2]  # one gap per event after the first
     errors = r["errors"]
     assert errors[:2] == ["", ""]
     assert errors[2].startswith("HTTP 500") and "engine died" in errors[3]
     assert "RemoteProtocolError" in errors[4] and "ReadTimeout" in errors[5]
+    assert errors[6].startswith("malformed event")
     assert r["request_goodput"] * r["duration"] == pytest.approx(2)  # a generous TPOT objective: both met
     for key in ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
                 "p99_itl_ms", "p99_tpot_ms", "mean_e2el_ms", "total_token_throughput"):
