@@ -17,8 +17,10 @@ import json
 import os
 import random
 import secrets
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -73,6 +75,9 @@ def run(args: argparse.Namespace) -> None:
     from router.cli import resolve_model
 
     model = resolve_model(args.model)
+    # Ray's files, and the address file `--address auto` reads, in a folder of its own: this cluster
+    # is nobody else's latest (a short path: Ray's socket paths live under it).
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="pdchaos", dir="/tmp")
     if "RAY_AUTH_MODE" not in os.environ:  # this cluster's own token, inherited by every process of it
         from ray._raylet import AuthenticationTokenLoader, Config
 
@@ -86,6 +91,7 @@ def run(args: argparse.Namespace) -> None:
         result = asyncio.run(_chaos(cluster, args, Path(model).name))
     finally:
         cluster.shutdown()
+        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
     for key, value in result.items():
         print(f"{key}: {json.dumps(value)}")
     if args.result_json:
@@ -147,7 +153,10 @@ async def _chaos(cluster, args: argparse.Namespace, model_name: str) -> dict:
         while sending():
             index = sent % len(bodies)
             sent += 1
-            outcomes.append((index, await send(client, bodies[index])))
+            outcome = await send(client, bodies[index])
+            outcomes.append((index, outcome))
+            if outcome.status in (429, 503):  # as a client should: back off before the next request
+                await asyncio.sleep(1.0)
 
     async def inject() -> None:
         for number, kind in enumerate(itertools.cycle(args.faults)):
@@ -187,6 +196,10 @@ async def _chaos(cluster, args: argparse.Namespace, model_name: str) -> dict:
         _progress(f"load ended after {elapsed:.0f} s ({sent} requests); checking what is left, then the "
                   f"undisturbed run")
         leaked_blocks, leaked_bytes = await asyncio.to_thread(_leftovers, cluster, baseline_bytes)
+        if leaked_bytes:  # say which objects: their owner, size and where they were made
+            from ray._private.internal_api import memory_summary
+
+            _progress("objects left in the store:\n" + memory_summary(cluster.cluster.address, units="KB"))
         completed = {i for i, o in outcomes if o.completed}
         reference = {}
         for i in sorted(completed):  # undisturbed, one at a time: what each seed streams without faults
