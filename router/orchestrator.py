@@ -69,6 +69,7 @@ class Orchestrator:
                 yield delta
             return
         meta, prefill = prefilled
+        del prefilled  # `prefill` must be the stream's only reference: it is dropped once the KV is taken
         METRICS.request_prefill_time.observe(meta.prefill_seconds)
         done = meta.finish_reason is not None or params.max_tokens == 1
         yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
@@ -125,22 +126,26 @@ class Orchestrator:
         """Decode on the least loaded worker; if it dies, resume on another (up to max_failovers).
         If the KV cannot be used there (lost with its node, or corrupt), recompute the prompt."""
         delivered = [] if request.first_token_id is None else [request.first_token_id]
-        for attempt in range(self.max_failovers + 1):
-            with self.pool.claim("decode", 1) as worker:
-                try:
-                    async for delta in self._decode(worker, request, kv):
-                        delivered += delta.token_ids
-                        yield delta
-                    return
-                except (WorkerLost, KVLost) as error:
-                    if isinstance(error, WorkerLost) and not isinstance(error, ChannelClosed):
-                        worker.alive = False  # until a stats poll finds it answering again
-                    if attempt == self.max_failovers:
-                        raise
-                    log.warning("resuming %s after %d tokens: %s", request.request_id, len(delivered), error)
-                    (METRICS.kv_recomputes if isinstance(error, KVLost) else METRICS.decode_failovers).inc()
-            kv = None
-            request = _resumed(request, delivered)
+        try:
+            for attempt in range(self.max_failovers + 1):
+                with self.pool.claim("decode", 1) as worker:
+                    try:
+                        async for delta in self._decode(worker, request, kv):
+                            delivered += delta.token_ids
+                            yield delta
+                        return
+                    except (WorkerLost, KVLost) as error:
+                        if isinstance(error, WorkerLost) and not isinstance(error, ChannelClosed):
+                            worker.alive = False  # until a stats poll finds it answering again
+                        if attempt == self.max_failovers:
+                            raise
+                        log.warning("resuming %s after %d tokens: %s", request.request_id, len(delivered), error)
+                        (METRICS.kv_recomputes if isinstance(error, KVLost) else METRICS.decode_failovers).inc()
+                kv = None
+                request = _resumed(request, delivered)
+        finally:
+            if kv:  # never admitted (no decode worker: 503): drop the KV now, not when the frames an
+                kv.clear()  # error's traceback holds are collected (an idle router kept it for good)
 
     async def _decode(self, worker: WorkerHandle, request: DecodeRequest, kv: list | None
                       ) -> AsyncIterator[TokenDelta]:
