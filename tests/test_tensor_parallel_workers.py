@@ -92,11 +92,12 @@ def test_prefill_tp2_to_decode_tp1_frees_the_kv_after_admission(cluster, tiny_pa
 
 def test_decode_tp2_rank_death_resumes_the_stream_elsewhere(cluster, tiny_path):
     """Prefill TP = 1 hands off to decode groups of TP = 2; killing rank 1 of the group decoding a
-    stream takes that group down, and the stream completes on the other group, uninterrupted."""
+    stream takes that group down, the stream completes on the other group, uninterrupted, and Ray
+    starts the group again (rank 0 restarts and starts a fresh rank 1)."""
     sampling = {"temperature": 0.8, "seed": 42}
     expected = expected_text(tiny_path, 400, **sampling)
     spec = ClusterSpec(model=str(tiny_path), namespace="pd-tp-1to2", engine_options=OPTIONS, num_decode=2,
-                       decode_tensor_parallel_size=2, max_restarts=0)
+                       decode_tensor_parallel_size=2, max_restarts=1)
     with router_server(spec) as (url, actors, _):
         decode_actors = actors[1:]
         killed = []
@@ -113,8 +114,18 @@ def test_decode_tp2_rank_death_resumes_the_stream_elsewhere(cluster, tiny_path):
         text, usage = stream(url, 400, kill_a_rank, **sampling)
         assert killed and usage["completion_tokens"] == 400
         assert text == expected  # nothing lost, nothing repeated
-        with pytest.raises(ray.exceptions.RayActorError):  # rank 0 went down with its rank
-            ray.get(killed[0].ping.remote(), timeout=30)
+        wait_for(lambda: answers(killed[0]), "the group was not started again", 120, interval=1.0)
+        (fresh,) = ray.get(killed[0].__ray_call__.remote(lambda self: self.rank_group.ranks))
+        assert ray.get(fresh.ping.remote(), timeout=30) == 1
+        assert ray.get(killed[0].stats.remote("test")).num_steps == 0  # a new process: its engine is fresh
+
+
+def answers(actor) -> bool:
+    try:
+        ray.get(actor.ping.remote(), timeout=5)
+        return True
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        return False
 
 
 def test_refusals_name_the_numbers(cluster, tiny_path):

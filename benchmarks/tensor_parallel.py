@@ -1,0 +1,243 @@
+"""Tensor parallelism on this host: prefill and decode of `small` at TP = 2 against TP = 1, the share
+of a step spent in the group's collectives, and the cost of a KV hand-off between groups of
+different sizes against one between groups of the same size.
+
+Method. The offline engine (`Engine(model, tensor_parallel_size=N)`: this process is rank 0, the
+other rank a spawned process, gloo over loopback), float32, one torch thread per rank, each rank
+pinned to its own core (TP = 1 on core 0; TP = 2 on cores 0 and 1); a TP = 1 engine with two threads
+on both cores is the same-cores reference. The three engines live side by side (rank 0 of each in
+this process, which takes each engine's cores and threads before running it) and their trials
+interleave, so the host's load falls on all three alike. Prefill: one prompt of `--prompt-tokens`,
+prefix caching off, median of `--trials`. Decode: `--batch` sequences, the median step of
+`--decode-steps`, median over the trials. The
+collectives' share: rank 0's time inside all-reduce / gather / broadcast (timed around each call,
+so it includes waiting for the other rank) over its step time. Hand-off: the export on the prefill
+side (TP = 2: the other rank's heads sent to rank 0) plus the import on the decode side (TP = 2: rank
+0 sends the other rank its heads, re-sliced from the payload) for 1->1, 2->2, 2->1 and 1->2, medians
+of `--trials`; the checksum pass (`KVPayload.verify`) is timed apart. Only ratios measured in one
+run mean anything on a shared host; the load average is printed with them.
+
+    python -m benchmarks.tensor_parallel [--prompt-tokens 512] [--batch 4] [--trials 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from benchmarks.report import environment, format_table, write_results
+from router.cli import resolve_model
+from services import Engine, SamplingParams
+from services.scheduler import SampledToken
+
+
+def timed(owner: object, name: str, into: list[float]) -> None:
+    """Wrap `owner.name` so each call's seconds are appended to `into`."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    setattr(owner, name, wrapper)
+
+
+class Probe:
+    """One engine under test, its ranks pinned, with timers around its steps, collectives and KV moves."""
+
+    def __init__(self, model: str, size: int, threads: int, cores: list[int]) -> None:
+        os.sched_setaffinity(0, set(cores))
+        self.engine = Engine(model, dtype="float32", num_threads=threads, tensor_parallel_size=size,
+                             enable_prefix_caching=False, max_model_len=2048)
+        # Rank 0 (or the single engine) runs in this process, which several probes share: each sets
+        # its cores and threads before it runs (`activate`); the other ranks stay pinned.
+        self.threads, self.cores = threads, set(cores) if size == 1 else {cores[0]}
+        if size > 1:
+            for rank, process in enumerate(self.engine.tensor_parallel.processes, start=1):
+                os.sched_setaffinity(process.pid, {cores[rank]})
+        self.steps: list[float] = []
+        self.collectives: list[float] = []
+        self.exports: list[float] = []
+        self.imports: list[float] = []
+        timed(self.engine, "step", self.steps)
+        timed(self.engine.runner, "_export", self.exports)
+        timed(self.engine.runner, "_import", self.imports)
+        if size > 1:
+            group = self.engine.tensor_parallel.group
+            for name in ("all_reduce", "gather_rows", "broadcast", "send", "recv"):
+                timed(group, name, self.collectives)
+        self.count = 0
+
+    def activate(self) -> None:
+        import torch
+
+        os.sched_setaffinity(0, self.cores)
+        torch.set_num_threads(self.threads)
+
+    def _run(self, requests: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+        """Run to completion; (step seconds, collective seconds) of those steps."""
+        del self.steps[:], self.collectives[:]
+        self.engine.generate(requests, params)
+        return sum(self.steps), sum(self.collectives)
+
+    def prefill(self, tokens: int) -> tuple[float, float]:
+        """Seconds of one `tokens`-token prefill, and the collectives' share of it."""
+        self.activate()
+        prompt = [1] + [5 + i % 30000 for i in range(tokens - 1)]
+        seconds, collectives = self._run([prompt], SamplingParams(max_tokens=1, temperature=0))
+        return seconds, collectives / seconds
+
+    def decode(self, batch: int, steps: int) -> tuple[float, float]:
+        """Median seconds of a decode step of `batch` sequences, and the collectives' share."""
+        self.activate()
+        prompts = [[1] + [7 + 13 * b + i for i in range(31)] for b in range(batch)]
+        del self.steps[:], self.collectives[:]
+        collected: list[tuple[float, float]] = []
+        inner = self.engine.step
+
+        def one_step():
+            before_c = sum(self.collectives)
+            start = time.perf_counter()
+            out = inner()
+            collected.append((time.perf_counter() - start, sum(self.collectives) - before_c))
+            return out
+
+        self.engine.step = one_step
+        try:
+            self.engine.generate(prompts, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+        finally:
+            self.engine.step = inner
+        decode_steps = collected[1:]  # the first step prefills
+        return (statistics.median(s for s, _ in decode_steps),
+                statistics.median(c / s for s, c in decode_steps))
+
+    def export(self, tokens: int, trials: int):
+        """(median export seconds, the last payload) of a `tokens`-token prompt's KV."""
+        self.activate()
+        prompt = [1] + [9 + i % 30000 for i in range(tokens - 1)]
+        del self.exports[:]
+        payload = None
+        for _ in range(trials):
+            self.count += 1
+            self.engine.add_request(f"e{self.count}", prompt, SamplingParams(max_tokens=1, temperature=0),
+                                    export_kv=True)
+            while self.engine.has_unfinished_requests:
+                for out in self.engine.step():
+                    payload = out.kv or payload
+        return statistics.median(self.exports), payload, prompt
+
+    def import_kv(self, payload, prompt: list[int], trials: int) -> tuple[float, float]:
+        """(median import seconds, median checksum seconds) of `payload` into this engine's pool."""
+        self.activate()
+        del self.imports[:]
+        checks = []
+        for _ in range(trials):
+            self.count += 1
+            start = time.perf_counter()
+            self.engine.verify_kv(payload)
+            checks.append(time.perf_counter() - start)
+            self.engine.add_prefilled(f"i{self.count}", prompt, SampledToken(5), SamplingParams(max_tokens=2),
+                                      payload, kv_check=_done())
+            while self.engine.has_unfinished_requests:
+                self.engine.step()
+        return statistics.median(self.imports), statistics.median(checks)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _done():
+    from concurrent.futures import Future
+
+    future = Future()
+    future.set_result(None)
+    return future
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = resolve_model(args.model)
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        raise SystemExit("needs two cores")
+    out: dict = {"model": args.model, "prompt_tokens": args.prompt_tokens, "batch": args.batch}
+    probes = {"tp1": Probe(model, 1, 1, cores[:1]), "tp2": Probe(model, 2, 1, cores),
+              "tp1_two_threads": Probe(model, 1, 2, cores)}  # the same two cores, one engine, two threads
+    for probe in probes.values():  # warm-up: first-call costs out of the timings
+        probe.prefill(args.prompt_tokens)
+        probe.decode(args.batch, 2)
+    samples: dict[str, list] = {name: [] for name in probes}
+    for _ in range(args.trials):  # interleaved, so the host's load hits every engine alike
+        for name, probe in probes.items():
+            samples[name].append((probe.prefill(args.prompt_tokens), probe.decode(args.batch, args.decode_steps)))
+    for name, runs in samples.items():
+        out[name] = {"prefill_s": statistics.median(p[0] for p, _ in runs),
+                     "prefill_collective_share": statistics.median(p[1] for p, _ in runs),
+                     "decode_step_s": statistics.median(d[0] for _, d in runs),
+                     "decode_collective_share": statistics.median(d[1] for _, d in runs)}
+    single, wide = probes["tp1"], probes["tp2"]
+    export1, payload1, prompt = single.export(args.kv_tokens, args.trials)
+    export2, payload2, _ = wide.export(args.kv_tokens, args.trials)
+    handoff = {}
+    for name, probe, payload, export in (("1->1", single, payload1, export1), ("2->1", single, payload2, export2),
+                                         ("1->2", wide, payload1, export1), ("2->2", wide, payload2, export2)):
+        imported, check = probe.import_kv(payload, prompt, args.trials)
+        handoff[name] = {"export_s": export, "import_s": imported, "verify_s": check}
+    out["handoff"] = handoff
+    out["kv_bytes"] = payload1.num_bytes
+    wide.close()
+    return out
+
+
+def tables(out: dict) -> str:
+    ms = 1e3
+    t1, t2, tt = out["tp1"], out["tp2"], out["tp1_two_threads"]
+    rows = [["TP=1, 1 core", t1["prefill_s"] * ms, 1.0, t1["decode_step_s"] * ms, 1.0, "-", "-"],
+            ["TP=2, 1 core/rank", t2["prefill_s"] * ms, t1["prefill_s"] / t2["prefill_s"], t2["decode_step_s"] * ms,
+             t1["decode_step_s"] / t2["decode_step_s"], f"{t2['prefill_collective_share']:.1%}",
+             f"{t2['decode_collective_share']:.1%}"],
+            ["TP=1, 2 threads", tt["prefill_s"] * ms, t1["prefill_s"] / tt["prefill_s"], tt["decode_step_s"] * ms,
+             t1["decode_step_s"] / tt["decode_step_s"], "-", "-"]]
+    first = format_table(["engine", "prefill ms", "speed-up", "decode step ms", "speed-up",
+                          "collectives/prefill", "collectives/decode"], rows)
+    same = {"1->1": "1->1", "2->1": "1->1", "1->2": "2->2", "2->2": "2->2"}
+    hrows = []
+    for name, h in out["handoff"].items():
+        total = h["export_s"] + h["import_s"]
+        ref = out["handoff"][same[name]]
+        hrows.append([name, h["export_s"] * ms, h["import_s"] * ms, h["verify_s"] * ms, total * ms,
+                      total / (ref["export_s"] + ref["import_s"])])
+    second = format_table(["prefill->decode TP", "export ms", "import ms", "verify ms", "export+import ms",
+                           "vs same-TP into that decode size"], hrows)
+    return first + "\n\n" + second
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small", help="a preset or folder (default small)")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4, help="decode batch")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--kv-tokens", type=int, default=1024, help="prompt tokens of the handed-off KV")
+    parser.add_argument("--trials", type=int, default=3)
+    args = parser.parse_args()
+    for name in ("prompt_tokens", "batch", "decode_steps", "kv_tokens", "trials"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    load = os.getloadavg()
+    out = run(args)
+    env = environment()
+    print(f"{args.model}, float32, {env['cpu']}, load average {load[0]:.2f} at start, "
+          f"{os.getloadavg()[0]:.2f} at end; medians of {args.trials}; KV {out['kv_bytes'] / 2**20:.1f} MiB")
+    print(tables(out))
+    path = write_results("tensor_parallel", {"environment": env, "load_average": [load, os.getloadavg()],
+                                             "args": vars(args), **out})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
