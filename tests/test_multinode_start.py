@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -154,3 +155,30 @@ def test_serve_scale_and_refusals_on_an_authenticated_two_node_cluster(cluster, 
         assert health["status"] == "ok", health
     finally:
         _stop(server, signal.SIGTERM)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RAY_AUTH_MODE": "Token"}, "RAY_AUTH_MODE must be one of disabled, token, got 'Token'"),
+    ({"RAY_AUTH_MODE": "token"}, "RAY_AUTH_MODE=token but this process has no token"),
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/nonexistent/t"}, "RAY_AUTH_TOKEN_PATH='/nonexistent/t' cannot"),
+])
+def test_the_auth_environment_is_refused_by_name_before_joining(monkeypatch, tmp_path, env, message):
+    from router.ray_instance import check_auth_environment
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_auth_environment()
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(empty))
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    with pytest.raises(ValueError, match="is empty"):
+        check_auth_environment()
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)  # the variable wins over the file, as in Ray
+    assert check_auth_environment() == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert check_auth_environment() == "disabled"
