@@ -191,9 +191,10 @@ def test_placement_gpus_shared_memory_and_the_pod_monitor(overlay):
                                                  "values": ["true"]}]
             assert {"key": "pdserve/pool", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"} in \
                 spec["tolerations"]
-        elif overlay == "gpu":  # prefill and decode on their GPU pools
-            assert gpus == "1" and {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
-                spec["tolerations"]
+        elif overlay == "gpu":  # prefill and decode on their GPU pools, one GPU per tensor-parallel rank
+            args = build_parser().parse_args(router_argv(cluster))
+            assert int(gpus) == getattr(args, f"{group}_tensor_parallel_size"), group
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
             product = {"prefill": "NVIDIA-H100-80GB-HBM3", "decode": "NVIDIA-H200"}[group]
             assert spec["nodeSelector"] == {"nvidia.com/gpu.product": product}
         else:
@@ -236,6 +237,7 @@ def test_groups_advertise_what_the_router_command_selects(overlay):
     assert groups["head"]["rayStartParams"]["num-cpus"] == "0"
     if overlay == "gpu":
         assert (args.prefill, args.decode, args.prefill_quantization, args.decode_quantization) == (2, 4, None, "int8")
+        assert (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size) == (2, 1)
     else:
         assert (args.prefill, args.decode, args.model) == (1, 1, "/opt/pdserve/models/tiny")
         dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
