@@ -159,6 +159,47 @@ def _done():
     return future
 
 
+def _all_reduce_loop(rank: int, address: str, core: int, shapes: list[tuple[int, int]], repeats: int, results) -> None:
+    """One of two spawned ranks: the median seconds of an all-reduce of each shape (float32)."""
+    import torch
+    import torch.distributed as dist
+
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=2)
+    medians = []
+    for shape in shapes:
+        x, times = torch.randn(shape), []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+    if rank == 0:
+        results.put(medians)
+    dist.destroy_process_group()
+
+
+def all_reduce_alone(cores: list[int], shapes: list[tuple[int, int]], repeats: int = 50) -> list[float]:
+    """An all-reduce's own cost between two ranks on their own cores, outside any step (so without the
+    waiting for a late rank that the in-step timing includes)."""
+    import multiprocessing
+
+    from services.tensor_parallel import free_address
+
+    context = multiprocessing.get_context("spawn")
+    results, address = context.Queue(), free_address()
+    ranks = [context.Process(target=_all_reduce_loop, args=(r, address, cores[r], shapes, repeats, results))
+             for r in range(2)]
+    for process in ranks:
+        process.start()
+    medians = results.get(timeout=300)
+    for process in ranks:
+        process.join(timeout=30)
+    return medians
+
+
 def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args.model)
     cores = sorted(os.sched_getaffinity(0))[:2]
@@ -190,6 +231,13 @@ def run(args: argparse.Namespace) -> dict:
     out["handoff"] = handoff
     out["kv_bytes"] = payload1.num_bytes
     wide.close()
+    config = single.engine.model_config
+    per_step = 2 * config.num_layers + 1  # o and down in every layer, and the embedding
+    shapes = [(args.prompt_tokens, config.hidden_size), (args.batch, config.hidden_size)]
+    prefill_ar, decode_ar = all_reduce_alone(cores, shapes)
+    out["all_reduce_alone"] = {"per_step": per_step, "prefill_s": prefill_ar, "decode_s": decode_ar,
+                               "prefill_share": per_step * prefill_ar / out["tp2"]["prefill_s"],
+                               "decode_share": per_step * decode_ar / out["tp2"]["decode_step_s"]}
     return out
 
 
@@ -213,7 +261,11 @@ def tables(out: dict) -> str:
                       total / (ref["export_s"] + ref["import_s"])])
     second = format_table(["prefill->decode TP", "export ms", "import ms", "verify ms", "export+import ms",
                            "vs same-TP into that decode size"], hrows)
-    return first + "\n\n" + second
+    ar = out["all_reduce_alone"]
+    third = (f"an all-reduce alone (two ranks, own cores): {ar['prefill_s'] * 1e6:.0f} us for "
+             f"[{out['prompt_tokens']}, D], {ar['decode_s'] * 1e6:.0f} us for [{out['batch']}, D]; x {ar['per_step']} "
+             f"per step = {ar['prefill_share']:.1%} of the TP=2 prefill, {ar['decode_share']:.1%} of its decode step")
+    return first + "\n\n" + second + "\n\n" + third
 
 
 def main() -> None:

@@ -117,12 +117,16 @@ def test_kv_hands_off_between_tp_sizes(tiny_path):
     finally:
         wide.close()
     assert [(s.head_start, s.data.shape) for s in sliced.kv.slices] == [(0, (4, 2, 37, 1, 16)), (1, (4, 2, 37, 1, 16))]
+    sliced.kv.verify(4, 2, 16, "float32")  # each slice's checksum, made on its own rank's side of the gather
     one = prefill(single, prompt, params)
     np.testing.assert_allclose(sliced.kv.data, one.kv.data, atol=1e-5, rtol=0)
     assert decode(Engine(tiny_path, **options), prompt, params, sliced) == whole
 
     wide = Engine(tiny_path, tensor_parallel_size=2, **options)
     try:
+        # The group's work per step (its efficiency gauges' numerator) is the whole model's.
+        for field in ("layer_matmul_params", "lm_head_params", "kv_bytes_per_token", "attention_flops_per_pair"):
+            assert getattr(wide.runner.cost, field) == getattr(single.runner.cost, field)
         assert decode(wide, prompt, params, one) == whole
         assert wide.block_manager.num_free_blocks == wide.block_manager.num_blocks
     finally:
