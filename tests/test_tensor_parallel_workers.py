@@ -11,8 +11,10 @@ import pytest
 import ray
 from cluster_harness import router_server, set_step_delay, wait_for
 from ray.cluster_utils import Cluster
+from ray.util import placement_group_table
 
 from router.launcher import ClusterSpec, start_workers
+from router.scaler import scale
 from services import Engine, SamplingParams
 
 OPTIONS = {"num_threads": 1, "max_num_seqs": 8, "dtype": "float32"}
@@ -66,7 +68,7 @@ def plasma_objects() -> int:
     raise AssertionError("no plasma usage line")
 
 
-def test_prefill_tp2_to_decode_tp1_frees_the_kv_after_admission(cluster, tiny_path):
+def test_prefill_tp2_to_decode_tp1_frees_the_kv_after_admission_and_scale_adds_groups(cluster, tiny_path):
     expected = expected_text(tiny_path, 60, temperature=0)
     spec = ClusterSpec(model=str(tiny_path), namespace="pd-tp-2to1", engine_options=OPTIONS,
                        prefill_tensor_parallel_size=2)
@@ -87,7 +89,18 @@ def test_prefill_tp2_to_decode_tp1_frees_the_kv_after_admission(cluster, tiny_pa
         assert seen and text == expected and usage["completion_tokens"] == 60
         stats = ray.get(decode.stats.remote("test"))
         assert [b for _, b in stats.kv_transfers] == [4 * 2 * len(PROMPT) * 2 * 16 * 4]  # both slices
-        assert ray.get(prefill.stats.remote("test")).worker_id == "prefill-0"
+        prefill_stats = ray.get(prefill.stats.remote("test"))
+        assert (prefill_stats.worker_id, prefill_stats.device) == ("prefill-0", "cpu x 2 ranks")
+
+        # pdserve scale adds a whole decode group of 2 ranks (its own placement group), then removes it.
+        assert scale("pd-tp-2to1", {"decode": 2}, tensor_parallel_sizes={"decode": 2}) == {
+            "added": ["decode-1"], "removed": []}
+        added = ray.get_actor("decode-1", namespace="pd-tp-2to1")
+        assert ray.get(added.stats.remote("test")).device == "cpu x 2 ranks"
+        group = ray.get(added.placement_group.remote())
+        assert placement_group_table(group)["strategy"] == "STRICT_PACK"
+        assert scale("pd-tp-2to1", {"decode": 1}, drain_timeout=5) == {"added": [], "removed": ["decode-1"]}
+        wait_for(lambda: placement_group_table(group)["state"] == "REMOVED", "the group's placement group stayed", 30)
 
 
 def test_decode_tp2_rank_death_resumes_the_stream_elsewhere(cluster, tiny_path):
