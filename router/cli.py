@@ -22,7 +22,7 @@ MODEL_HELP = ("a model folder, a .gguf file (converted once into the cache), a p
               "weights, generated on first use), or smollm2 (default: SmolLM2-135M-Instruct, fetched once)")
 
 # Commands defined in their own modules: each has `add_command(subparsers)`, which registers its parser and
-# sets `run=` (a function of the parsed arguments) as a default. Importing one must not import torch.
+# sets `run=` (a function of the parsed arguments) as a default. Importing one must not load torch.
 COMMAND_MODULES: tuple[str, ...] = ("benchmarks.bench_command", "benchmarks.study_command",
                                      "benchmarks.roofline_command", "router.chaos")
 
