@@ -59,8 +59,16 @@ def one_kv_head(tiny_path, tmp_path_factory):
     return out
 
 
-def test_tiny_tp2_equals_tp1(tiny_path):
-    assert_same(generate(tiny_path, 1), generate(tiny_path, 2))
+def test_tiny_tp2_equals_tp1_and_its_prefix_cache_serves_a_repeat(tiny_path):
+    single = generate(tiny_path, 1)
+    engine = Engine(tiny_path, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert_same(single, engine.generate(PROMPTS, GREEDY))
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        again = engine.generate(PROMPTS[1:2], params)[0]  # its two full blocks come from every rank's cache
+    finally:
+        engine.close()
+    assert again.num_cached_tokens == 32 and again.token_ids == single[1].token_ids
 
 
 def test_stories260k_tp2_equals_tp1(stories_path):
