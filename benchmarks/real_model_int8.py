@@ -3,7 +3,8 @@ model on real text (docs/models.md).
 
 For the default model (SmolLM2-135M-Instruct, a Q4_1 GGUF) or any `--model`: the time to convert the GGUF
 (a fresh cache folder) and to load it; per variant (bf16, and int8 weight-only decode made at load), the
-median over `--rounds` of (generate 65 tokens - generate 1 token) / 64 at batch 1; and, teacher-forced on the
+median over `--rounds` of (generate 65 tokens - generate 1 token) / 64 at batch 1 (and, where llama-cpp-python
+is installed, llama.cpp's median `eval([token])` on the GGUF file as it is); and, teacher-forced on the
 opening of Pride and Prejudice (~350 tokens, public domain), how often int8's top token equals bf16's and the
 mean |Δ logprob| of the text's own next token.
 
@@ -13,10 +14,13 @@ mean |Δ logprob| of the text's own next token.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -59,20 +63,23 @@ def convert_and_load(model: str) -> tuple[float, float]:
     return converted, time.perf_counter() - start
 
 
-def decode_ms(engines: dict[str, Engine], prompt: list[int], rounds: int) -> dict[str, float]:
-    """Per engine, the median ms per decode token; the engines take turns in every round, so a busy
-    spell of the shared host falls on all of them."""
-    def timed(engine: Engine, n: int) -> float:
+def engine_decode_ms(engine: Engine, prompt: list[int]) -> Callable[[], float]:
+    """A timer of ms per decode token: (generate 65 tokens - generate 1 token) / 64."""
+    def timed(n: int) -> float:
         start = time.perf_counter()
         engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - start
 
-    samples: dict[str, list[float]] = {name: [] for name in engines}
-    for engine in engines.values():
-        timed(engine, 8)  # warm-up
+    timed(8)  # warm-up
+    return lambda: (timed(65) - timed(1)) / 64 * 1e3
+
+
+def median_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Each timer's median; they take turns in every round, so a busy spell of the shared host falls on all."""
+    samples: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(rounds):
-        for name, engine in engines.items():
-            samples[name].append((timed(engine, 65) - timed(engine, 1)) / 64 * 1e3)
+        for name, timer in timers.items():
+            samples[name].append(timer())
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -97,7 +104,13 @@ def main() -> None:
     variants = {"float32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8")}
     engines = {name: Engine(model=args.model, dtype=d, quantization=q, **options) for name, (d, q) in variants.items()}
     ids = engines["bf16"].tokenizer.encode(TEXT)
-    ms = decode_ms(engines, ids[:32], args.rounds)
+    timers = {name: engine_decode_ms(engine, ids[:32]) for name, engine in engines.items()}
+    if args.model.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None:
+        from benchmarks.vs_llama_cpp import LlamaCppRunner
+
+        # llama.cpp on the file itself (Q4_1 for the default model): median time of one eval([token])
+        timers["llama.cpp (the GGUF as is)"] = functools.partial(LlamaCppRunner(args.model, args.threads).decode_ms, 64)
+    ms = median_in_turns(timers, args.rounds)
     logprobs = {name: text_logprobs(engine, ids) for name, engine in engines.items()}
     quality = {}
     for variant, reference in (("bf16", "float32"), ("int8", "float32"), ("int8", "bf16")):
