@@ -62,6 +62,7 @@ class Probe:
                 os.sched_setaffinity(process.pid, {cores[rank]})
         self.steps: list[float] = []
         self.collectives: list[float] = []
+        self.broadcasts: list[float] = []  # the step plan's broadcast alone (also in collectives)
         self.exports: list[float] = []
         self.imports: list[float] = []
         timed(self.engine, "step", self.steps)
@@ -69,6 +70,7 @@ class Probe:
         timed(self.engine.runner, "_import", self.imports)
         if size > 1:
             group = self.engine.tensor_parallel.group
+            timed(group, "broadcast", self.broadcasts)
             for name in ("all_reduce", "gather_rows", "broadcast", "send", "recv"):
                 timed(group, name, self.collectives)
         self.count = 0
@@ -92,8 +94,9 @@ class Probe:
         seconds, collectives = self._run([prompt], SamplingParams(max_tokens=1, temperature=0))
         return seconds, collectives / seconds
 
-    def decode(self, batch: int, steps: int) -> tuple[float, float]:
-        """Median seconds of a decode step of `batch` sequences, and the collectives' share."""
+    def decode(self, batch: int, steps: int) -> tuple[float, float, float]:
+        """Median seconds of a decode step of `batch` sequences, the collectives' share, and the
+        median seconds of its plan's broadcast."""
         self.activate()
         prompts = [[1] + [7 + 13 * b + i for i in range(31)] for b in range(batch)]
         del self.steps[:], self.collectives[:]
@@ -101,10 +104,11 @@ class Probe:
         inner = self.engine.step
 
         def one_step():
-            before_c = sum(self.collectives)
+            before_c, before_b = sum(self.collectives), sum(self.broadcasts)
             start = time.perf_counter()
             out = inner()
-            collected.append((time.perf_counter() - start, sum(self.collectives) - before_c))
+            collected.append((time.perf_counter() - start, sum(self.collectives) - before_c,
+                              sum(self.broadcasts) - before_b))
             return out
 
         self.engine.step = one_step
@@ -113,8 +117,9 @@ class Probe:
         finally:
             self.engine.step = inner
         decode_steps = collected[1:]  # the first step prefills
-        return (statistics.median(s for s, _ in decode_steps),
-                statistics.median(c / s for s, c in decode_steps))
+        return (statistics.median(s for s, _, _ in decode_steps),
+                statistics.median(c / s for s, c, _ in decode_steps),
+                statistics.median(b for _, _, b in decode_steps))
 
     def export(self, tokens: int, trials: int):
         """(median export seconds, the last payload) of a `tokens`-token prompt's KV."""
@@ -219,7 +224,8 @@ def run(args: argparse.Namespace) -> dict:
         out[name] = {"prefill_s": statistics.median(p[0] for p, _ in runs),
                      "prefill_collective_share": statistics.median(p[1] for p, _ in runs),
                      "decode_step_s": statistics.median(d[0] for _, d in runs),
-                     "decode_collective_share": statistics.median(d[1] for _, d in runs)}
+                     "decode_collective_share": statistics.median(d[1] for _, d in runs),
+                     "decode_plan_broadcast_s": statistics.median(d[2] for _, d in runs)}
     single, wide = probes["tp1"], probes["tp2"]
     export1, payload1, prompt = single.export(args.kv_tokens, args.trials)
     export2, payload2, _ = wide.export(args.kv_tokens, args.trials)
@@ -264,7 +270,9 @@ def tables(out: dict) -> str:
     ar = out["all_reduce_alone"]
     third = (f"an all-reduce alone (two ranks, own cores): {ar['prefill_s'] * 1e6:.0f} us for "
              f"[{out['prompt_tokens']}, D], {ar['decode_s'] * 1e6:.0f} us for [{out['batch']}, D]; x {ar['per_step']} "
-             f"per step = {ar['prefill_share']:.1%} of the TP=2 prefill, {ar['decode_share']:.1%} of its decode step")
+             f"per step = {ar['prefill_share']:.1%} of the TP=2 prefill, {ar['decode_share']:.1%} of its decode step; "
+             f"the step plan's broadcast (pickled, in-step): {out['tp2']['decode_plan_broadcast_s'] * 1e6:.0f} us "
+             f"per decode step")
     return first + "\n\n" + second + "\n\n" + third
 
 
