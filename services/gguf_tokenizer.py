@@ -2,12 +2,13 @@
 
 Byte-level BPE (`tokenizer.ggml.model` "gpt2", as Llama 3, Qwen2, SmolLM and most recent models ship) is
 rebuilt from the vocabulary and merges, with the pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre`
-(llama-vocab.cpp). SentencePiece vocabularies ("llama": Llama 2, Mistral v0.1) are refused by name.
+(llama-vocab.cpp). SentencePiece BPE vocabularies ("llama": Llama 2, Mistral v0.1-v0.3) become a BPE with
+byte fallback whose merges are recovered from the token scores, as transformers' GGUF reader builds them.
 """
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from services.gguf_file import GGUFError, GGUFFile
 
@@ -33,18 +34,29 @@ _PRE_TOKENIZERS = {
 def build_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, dict]:
     """(tokenizer.json's tokenizer, tokenizer_config.json's contents) for `gguf`."""
     kind = gguf.value("tokenizer.ggml.model", str)
-    if kind != "gpt2":
-        raise GGUFError(f"{gguf.path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")
+    if kind not in ("gpt2", "llama"):
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                        "'llama' (SentencePiece BPE)")
+    tokens = gguf.value("tokenizer.ggml.tokens", list)
+    types = gguf.value("tokenizer.ggml.token_type", list, [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    tokenizer = _byte_level(gguf, tokens) if kind == "gpt2" else _sentencepiece(gguf, tokens)
+    # llama.cpp matches control and user-defined tokens whole in the text, before BPE.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, k in zip(tokens, types) if k == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    return tokenizer, _tokenizer_config(gguf, tokens, add_bos_default=kind == "llama")
+
+
+def _byte_level(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
     pre = gguf.value("tokenizer.ggml.pre", str, "default")
     if pre not in _PRE_TOKENIZERS:
         raise GGUFError(f"{gguf.path}: tokenizer.ggml.pre is {pre!r}, a pre-tokenizer pdserve does not know; "
                         f"known: {', '.join(sorted(_PRE_TOKENIZERS))}")
     digits, regex, ignore_merges = _PRE_TOKENIZERS[pre]
-    tokens = gguf.value("tokenizer.ggml.tokens", list)
     merges = [tuple(m.split(" ", 1)) for m in gguf.value("tokenizer.ggml.merges", list)]
-    types = gguf.value("tokenizer.ggml.token_type", list, [1] * len(tokens))
-    if len(types) != len(tokens):
-        raise GGUFError(f"{gguf.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
     steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
@@ -52,15 +64,44 @@ def build_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, dict]:
               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tokenizer.decoder = decoders.ByteLevel()
-    # llama.cpp matches control and user-defined tokens whole in the text, before BPE.
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, k in zip(tokens, types) if k == _CONTROL])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t, k in zip(tokens, types) if k == _USER_DEFINED])
-    return tokenizer, _tokenizer_config(gguf, tokens)
+    return tokenizer
 
 
-def _tokenizer_config(gguf: GGUFFile, tokens: list[str]) -> dict:
+def _sentencepiece(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
+    """SentencePiece BPE: `▁` for spaces (and before the text, unless add_space_prefix is false), pieces merged
+    best score first, bytes (<0x41>) for what no piece covers."""
+    scores = gguf.value("tokenizer.ggml.scores", list)
+    if len(scores) != len(tokens):
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    unknown = gguf.value("tokenizer.ggml.unknown_token_id", int, 0)
+    if not 0 <= unknown < len(tokens):
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.unknown_token_id is {unknown}, not below {len(tokens)}")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = _merges_from_scores(vocab, dict(zip(tokens, scores)))
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=tokens[unknown], fuse_unk=True, byte_fallback=True))
+    prefix = gguf.value("tokenizer.ggml.add_space_prefix", bool, True)
+    # As Llama 2's own tokenizer.json and llama.cpp do: every text fragment (the whole text, or what follows a
+    # special token) gets its `▁`, even one that starts with a space (transformers' GGUF reader adds none there).
+    tokenizer.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if prefix else [])
+                                                + [normalizers.Replace(" ", "▁")])
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tokenizer
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens is a merge, ranked by the merged token's score (then the shorter
+    left piece), as transformers' `generate_merges` recovers them."""
+    merges = []
+    for token, score in scores.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges += [(left, right, score) for left, right in pairs]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _tokenizer_config(gguf: GGUFFile, tokens: list[str], add_bos_default: bool) -> dict:
     def token(key: str) -> str | None:
         token_id = gguf.value(f"tokenizer.ggml.{key}_token_id", int, None)
         if token_id is not None and not 0 <= token_id < len(tokens):
@@ -71,8 +112,8 @@ def _tokenizer_config(gguf: GGUFFile, tokens: list[str]) -> dict:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
         "pad_token": token("padding"),
-        # absent from a BPE file: no BOS, as transformers reads such a file
-        "add_bos_token": gguf.value("tokenizer.ggml.add_bos_token", bool, False),
+        # absent: BOS for SentencePiece (llama.cpp's default), none for byte-level BPE, as transformers reads them
+        "add_bos_token": gguf.value("tokenizer.ggml.add_bos_token", bool, add_bos_default),
         "add_eos_token": gguf.value("tokenizer.ggml.add_eos_token", bool, False),
         "clean_up_tokenization_spaces": False,
         "chat_template": gguf.value("tokenizer.chat_template", str, None),

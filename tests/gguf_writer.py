@@ -21,10 +21,28 @@ def permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def sentencepiece_vocab(num_pieces: int = 200) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a SentencePiece BPE vocabulary as Llama 2's GGUFs hold one: <unk>, <s>,
+    </s>, the 256 byte tokens, then pieces (`▁` for a space) learned from the presets' corpus, scored by rank."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from services.preset_tokenizer import _CORPUS
+
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    learner.train_from_iterator(_CORPUS.splitlines(), trainers.BpeTrainer(vocab_size=num_pieces, show_progress=False))
+    vocab = learner.get_vocab()
+    pieces = sorted(vocab, key=vocab.get)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)  # unknown, control, byte, normal
+    return tokens, scores, types
+
+
 def write_gguf(folder: Path, out: Path, *, arch: str = "llama", matrix_type=F32, skip: tuple[str, ...] = (),
                tokenizer_model: str = "gpt2") -> Path:
     """`folder` (one model.safetensors, a byte-level BPE tokenizer.json) as a GGUF at `out`; `skip` leaves
-    those metadata keys out."""
+    those metadata keys out; tokenizer_model "llama" writes `sentencepiece_vocab()` instead of the folder's."""
     c = ModelConfig.from_folder(folder)
     weights = load_file(str(folder / "model.safetensors"))
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
@@ -50,14 +68,23 @@ def write_gguf(folder: Path, out: Path, *, arch: str = "llama", matrix_type=F32,
         "tokenizer.ggml.add_bos_token": (writer.add_bool, tokenizer_config["add_bos_token"]),
         "tokenizer.chat_template": (writer.add_string, tokenizer_config["chat_template"]),
     }
+    if tokenizer_model == "llama":  # <s> and </s>, no end-of-turn token
+        values["tokenizer.ggml.bos_token_id"], values["tokenizer.ggml.eos_token_id"] = (writer.add_uint32, 1), (writer.add_uint32, 2)
+        del values["tokenizer.ggml.eot_token_id"], values["tokenizer.ggml.add_bos_token"]
     for key, (add, value) in values.items():
         if key not in skip:
             add(key, value)
-    vocab = tokenizer["model"]["vocab"]
-    special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
-    writer.add_token_list(sorted(vocab, key=vocab.get))
-    writer.add_token_types([3 if i in special else 1 for i in range(len(vocab))])
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
+    if tokenizer_model == "llama":
+        tokens, scores, types = sentencepiece_vocab()
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+    else:
+        vocab = tokenizer["model"]["vocab"]
+        special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+        writer.add_token_list(sorted(vocab, key=vocab.get))
+        writer.add_token_types([3 if i in special else 1 for i in range(len(vocab))])
+        writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
 
     def add(name: str, hf_name: str, num_heads: int | None = None) -> None:
         w = weights[hf_name].astype(np.float32)
