@@ -85,6 +85,20 @@ class RankGroupLeader:
         threading.Thread(target=wait, name="rank-watch", daemon=True).start()
 
 
+def _watch_start(ranks: list) -> None:
+    """Exit this process if a rank fails to start: rank 0 would otherwise wait for it at the
+    rendezvous until the group's timeout (a rank's `ping` answers once its engine is built)."""
+    import ray
+
+    def wait() -> None:
+        try:
+            ray.get([rank.ping.remote() for rank in ranks])
+        except Exception as error:  # the rank's actor died starting
+            _die(error)
+
+    threading.Thread(target=wait, name="rank-start-watch", daemon=True).start()
+
+
 def start_group_engine(model: str, options: dict, cpu_ids: tuple[int, ...] | None, rank_options: dict):
     """In rank 0's actor: start ranks 1..N-1 in this actor's placement group, join them, and return
     (this rank's Engine, the leader). `rank_options`: the Ray options of each other rank (its CPU or GPU)."""
@@ -104,6 +118,7 @@ def start_group_engine(model: str, options: dict, cpu_ids: tuple[int, ...] | Non
         **rank_options, max_concurrency=2,
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=r),
     ).remote(model, options, group_spec, r, cpus[r]) for r in range(1, size)]
+    _watch_start(ranks)
     own = dict(options)
     if cpus[0]:
         os.sched_setaffinity(0, cpus[0])
