@@ -16,6 +16,7 @@ from ray.util import placement_group_table
 from router.launcher import ClusterSpec, start_workers
 from router.scaler import scale
 from services import Engine, SamplingParams
+from services.protocol import PrefillRequest
 
 OPTIONS = {"num_threads": 1, "max_num_seqs": 8, "dtype": "float32"}
 PROMPT = [1] + [5 + i % 400 for i in range(300)]  # ~300 KB of KV: through the object store
@@ -89,6 +90,11 @@ def test_prefill_tp2_to_decode_tp1_frees_the_kv_after_admission_and_scale_adds_g
         assert seen and text == expected and usage["completion_tokens"] == 60
         stats = ray.get(decode.stats.remote("test"))
         assert [b for _, b in stats.kv_transfers] == [4 * 2 * len(PROMPT) * 2 * 16 * 4]  # both slices
+        meta_ref, kv_ref = list(prefill.prefill.remote(PrefillRequest("direct", PROMPT, SamplingParams(temperature=0))))
+        kv = ray.get(kv_ref)
+        kv.verify(4, 2, 16, "float32")  # both ranks' slices, each with the checksum its side computed
+        assert [(s.head_start, s.data.flags.writeable) for s in kv.slices] == [(0, False), (1, False)]  # read in place
+        del meta_ref, kv_ref, kv
         prefill_stats = ray.get(prefill.stats.remote("test"))
         assert (prefill_stats.worker_id, prefill_stats.device) == ("prefill-0", "cpu x 2 ranks")
 
