@@ -71,9 +71,6 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: general.architecture is {self.architecture!r}, which pdserve does not run; "
                             f"supported: {', '.join(ARCHITECTURES)}")
 
-    def has(self, key: str) -> bool:
-        return key in self._reader.fields
-
     def value(self, key: str, kind: type, default: Any = ...) -> Any:
         """The metadata value at `key`, checked to be of `kind` (int, float, str, bool or list)."""
         field = self._reader.fields.get(key)
@@ -85,7 +82,7 @@ class GGUFFile:
         ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
-        elif kind is float and ok and field.types == [gguf_value_type("FLOAT32")]:
+        elif kind is float and ok and field.types == [_value_type("FLOAT32")]:
             # the shortest decimal of the float32: 1e-05 as config.json wrote it, not 9.999999747378752e-06
             value = float(str(np.float32(value)))
         if not ok:
@@ -180,7 +177,7 @@ class GGUFFile:
                             "dequantize") from exc
 
 
-def gguf_value_type(name: str) -> object:
+def _value_type(name: str) -> object:
     import gguf
 
     return gguf.GGUFValueType[name]
