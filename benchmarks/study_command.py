@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> None:
     model = resolve_model(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine_options = {"dtype": args.dtype, "max_num_seqs": 64, "kv_cache_memory_gb": 1.0,
+    # No prefix caching: the workers serve every rate in turn, and the same seed sends the same prompts.
+    engine_options = {"dtype": args.dtype, "max_num_seqs": 64, "kv_cache_memory_gb": 1.0, "enable_prefix_caching": False,
                       "max_model_len": max(2048, args.prompt_len + args.output_len + 64)}
     results = []
     os.sched_setaffinity(0, cores)  # the workers Ray starts from here are then pinned within these cores
