@@ -6,8 +6,6 @@ this process, which is the Ray driver). Installed with the package, so `benchmar
 from __future__ import annotations
 
 import contextlib
-import random
-import socket
 import threading
 import time
 
@@ -17,23 +15,7 @@ from ray.cluster_utils import Cluster
 
 from router.app import create_app
 from router.launcher import ClusterSpec, build_router_state, start_workers, stop_workers
-
-
-def free_port() -> int:
-    """A free loopback port between Ray's worker ports (10002-19999) and the OS's ephemeral range
-    (32768 and up here). A port the OS hands out for port 0 is in the ephemeral range, where Ray's
-    own processes also take theirs: seen, `pdserve serve` lost its router port to the Ray instance it
-    had just started."""
-    rng = random.Random()
-    for _ in range(500):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free loopback port in 20000-32000")
+from router.loopback_port import free_port
 
 
 def wait_for(condition, what: str, timeout: float = 15.0, interval: float = 0.1) -> None:

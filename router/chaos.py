@@ -15,10 +15,8 @@ import asyncio
 import itertools
 import json
 import os
-import random
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -26,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from router import cli_values as flags
+from router.loopback_port import free_port
 
 # A decode or prefill worker crashes (its streams resume elsewhere); a router crashes (its clients
 # resend); a node is removed (its workers start again on the other); every decode worker crashes at
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
         Config.initialize("")  # Ray read RAY_AUTH_MODE when it was imported: read it again, as ray.init does
         AuthenticationTokenLoader.instance().reset_cache()
     started = time.monotonic()
-    cluster = ChaosCluster(model, f"pdserve-chaos-{os.getpid()}", [_free_port(), _free_port()], ENGINE_OPTIONS)
+    cluster = ChaosCluster(model, f"pdserve-chaos-{os.getpid()}", [free_port(), free_port()], ENGINE_OPTIONS)
     _progress(f"cluster, 4 workers and 2 routers up in {time.monotonic() - started:.0f} s; load for {args.duration:g} s")
     try:
         result = asyncio.run(_chaos(cluster, args, Path(model).name))
@@ -96,20 +95,6 @@ def run(args: argparse.Namespace) -> None:
         print(f"{key}: {json.dumps(value)}")
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(result, indent=2) + "\n")
-
-
-def _free_port() -> int:
-    """A loopback port between Ray's worker ports and the ephemeral range, where Ray takes its own."""
-    rng = random.Random()
-    for _ in range(500):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free loopback port in 20000-32000")
 
 
 async def _chaos(cluster, args: argparse.Namespace, model_name: str) -> dict:
