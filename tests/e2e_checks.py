@@ -36,6 +36,15 @@ def completion(url: str, prompt, max_tokens: int, **extra) -> dict:
     return response.json()
 
 
+def chunks(response: httpx.Response):
+    """The JSON chunks of a streamed completion, each checked not to be an error event."""
+    for line in response.iter_lines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            yield chunk
+
+
 def streamed_text(url: str, prompt, max_tokens: int, **extra) -> tuple[str, list[dict]]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, **extra}

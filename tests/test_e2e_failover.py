@@ -48,11 +48,7 @@ def test_a_stream_survives_its_decode_worker(cluster, tiny_path, mode, sampling)
         set_step_delay(decode_actors, 0.02)
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
+            for chunk in checks.chunks(response):
                 if chunk["choices"]:
                     text += chunk["choices"][0]["text"]
                 usage = chunk.get("usage") or usage
@@ -80,11 +76,7 @@ def test_a_channel_the_worker_closed_resumes_on_the_same_live_worker(cluster, ti
         text, closed = "", False
         set_step_delay([decode], 0.02)  # until the close: the stream is still running then, however fast the host
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
+            for chunk in checks.chunks(response):
                 text += chunk["choices"][0]["text"]
                 if len(text) >= 20 and not closed:  # as if the lease ran out: the worker closes the channel
                     ray.get(decode.__ray_call__.remote(
@@ -114,11 +106,8 @@ def test_dead_prefill_workers_are_skipped_then_decode_workers_prefill(cluster, t
                 return answer.json()["choices"][0]["text"]
             text = ""
             with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as answer:
-                for line in answer.iter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        assert "error" not in chunk, chunk
-                        text += chunk["choices"][0]["text"]
+                for chunk in checks.chunks(answer):
+                    text += chunk["choices"][0]["text"]
             return text
 
         assert complete(stream=False) == expected

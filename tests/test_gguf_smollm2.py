@@ -6,14 +6,13 @@ path (streamed, chat template applied) and across a decode worker killed mid-str
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
 import ray
 import torch
 from cluster_harness import router_server, set_step_delay, two_node_cluster
+from e2e_checks import chunks
 
 from router.launcher import ClusterSpec
 from services import Engine, SamplingParams
@@ -123,11 +122,7 @@ def test_a_chat_stream_survives_its_decode_worker(server, reference):
     set_step_delay(decode_actors, 0.2)  # paced until the kill, so the stream is surely mid-way then
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
+        for chunk in chunks(response):
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 text += chunk["choices"][0]["delta"]["content"]
                 num_chunks += 1

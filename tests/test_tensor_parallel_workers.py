@@ -4,12 +4,11 @@ sizes; a rank's death takes its group down and the stream resumes elsewhere; ref
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import ray
 from cluster_harness import router_server, set_step_delay, wait_for
+from e2e_checks import chunks
 from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 
@@ -48,14 +47,11 @@ def stream(url: str, max_tokens: int, on_chunk=lambda text: None, **sampling) ->
     text, usage = "", None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                if chunk["choices"]:
-                    text += chunk["choices"][0]["text"]
-                    on_chunk(text)
-                usage = chunk.get("usage") or usage
+        for chunk in chunks(response):
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+                on_chunk(text)
+            usage = chunk.get("usage") or usage
     return text, usage
 
 
