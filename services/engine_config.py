@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from services.model_config import ModelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8",)  # weight-only, made at load from any checkpoint (services/quantized_weight.py)
+QUANTIZATIONS = ("int8", "int4")  # weight-only, made at load from any checkpoint (services/quantized_weight.py)
 KERNEL_MODES = ("auto", "torch", "native")  # how linear/attention kernels are chosen (services/kernels/)
 
 

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
+from services.int4_weight import Int4Weight
 from services.kernels.kernel_plan import KernelPlan
 from services.model_config import ModelConfig
-from services.quantized_weight import Int8Weight, quantize
+from services.quantized_weight import Int8Weight, QuantizedWeight, quantize
 from services.rotary import RotaryEmbedding
 from services.tensor_parallel import RankGroup
 from services.tensor_parallel_shards import ShardLayout
@@ -45,14 +46,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @dataclass(slots=True)
 class DecoderLayerWeights:
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor | Int8Weight  # [(H + 2K) * Dh, D]
+    qkv: torch.Tensor | QuantizedWeight  # [(H + 2K) * Dh, D]
     qkv_bias: torch.Tensor | None  # [(H + 2K) * Dh]
     q_norm: torch.Tensor | None  # [Dh]
     k_norm: torch.Tensor | None  # [Dh]
-    o: torch.Tensor | Int8Weight  # [D, H * Dh]
+    o: torch.Tensor | QuantizedWeight  # [D, H * Dh]
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor | Int8Weight  # [2F, D]
-    down: torch.Tensor | Int8Weight  # [D, F]
+    gate_up: torch.Tensor | QuantizedWeight  # [2F, D]
+    down: torch.Tensor | QuantizedWeight  # [D, F]
 
 
 class LlamaModel:
@@ -83,8 +84,14 @@ class LlamaModel:
         owners = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
         owners.append((self, "lm_head"))
 
-        def data(weight: torch.Tensor | Int8Weight) -> torch.Tensor:
-            return weight.qweight if isinstance(weight, Int8Weight) else weight
+        def data(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:  # the bytes each step streams
+            return (weight.qweight if isinstance(weight, Int8Weight) else weight.packed if isinstance(weight, Int4Weight)
+                    else weight)
+
+        def placed(weight: torch.Tensor | QuantizedWeight, moved: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+            if isinstance(weight, Int8Weight):
+                return Int8Weight(moved, weight.scale)
+            return weight.with_packed(moved) if isinstance(weight, Int4Weight) else moved
 
         arena = HugePageArena.create(sum(HugePageArena.size_of(data(getattr(o, n))) for o, n in owners))
         if arena is None:
@@ -93,7 +100,7 @@ class LlamaModel:
         for owner, name in owners:  # one at a time: each original is freed once moved
             weight = getattr(owner, name)
             moved = arena.copy(data(weight))
-            setattr(owner, name, Int8Weight(moved, weight.scale) if isinstance(weight, Int8Weight) else moved)
+            setattr(owner, name, placed(weight, moved))
         if tied:
             self.embed = self.lm_head  # still one tensor: the lookup table is the output projection
 

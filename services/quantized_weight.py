@@ -1,7 +1,8 @@
 """Weight-only quantized formats for the linear layers, made on the fly from any checkpoint.
 
-Decode reads every weight once per step, so its speed is the bytes it reads; int8 halves bf16's.
-Activations, the KV cache and the KV hand-off stay in the compute dtype: only the weights change.
+Decode reads every weight once per step, so its speed is the bytes it reads; int8 halves bf16's,
+int4 (services/int4_weight.py) takes 0.625 bytes a weight. Activations, the KV cache and the KV
+hand-off stay in the compute dtype: only the weights change.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine_config import QUANTIZATIONS
+from services.int4_weight import Int4Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +50,15 @@ class Int8Weight:
         return Int8Weight(self.qweight.to(device), self.scale.to(device))
 
 
-def quantize(weight: torch.Tensor, quantization: str | None) -> torch.Tensor | Int8Weight:
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def quantize(weight: torch.Tensor, quantization: str | None) -> torch.Tensor | QuantizedWeight:
     """`weight` in the named format (None: unchanged)."""
     if quantization is None:
         return weight
     if quantization == "int8":
         return Int8Weight.quantize(weight)
+    if quantization == "int4":
+        return Int4Weight.quantize(weight)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")

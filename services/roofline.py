@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.int4_weight import Int4Weight
 from services.quantized_weight import Int8Weight
 
 
@@ -30,15 +31,21 @@ class ModelCost:
         seen: set[int] = set()
         counts = {"layer": 0, "head": 0, "bytes": 0}
 
-        def add(tensor: torch.Tensor | Int8Weight | None, key: str | None) -> None:
-            if isinstance(tensor, Int8Weight):  # quantized: its parameters, and the bytes it really reads
+        def add(tensor: torch.Tensor | Int8Weight | Int4Weight | None, key: str | None) -> None:
+            params = None  # quantized: its parameters, and the bytes it really reads
+            if isinstance(tensor, Int8Weight):
                 add(tensor.scale, None)
                 tensor = tensor.qweight
+            elif isinstance(tensor, Int4Weight):  # two parameters a byte (plus padding to whole blocks)
+                add(tensor.scale, None)
+                add(tensor.low, None)
+                params = tensor.shape.numel()
+                tensor = tensor.packed
             if tensor is None or tensor.data_ptr() in seen:
                 return
             seen.add(tensor.data_ptr())
             if key is not None:
-                counts[key] += tensor.numel()
+                counts[key] += tensor.numel() if params is None else params
             counts["bytes"] += tensor.numel() * tensor.element_size()
 
         add(model.lm_head, "head")

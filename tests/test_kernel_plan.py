@@ -36,12 +36,12 @@ def test_every_candidate_computes_the_same_product(quantized, rows):
     reference = weight.dequantize(torch.float32) if quantized else dense.float()
     x = torch.randn(rows, 40, generator=g).bfloat16()
     bias = torch.randn(24, generator=g).bfloat16()
-    found = candidates(quantized, True, 40, {1: 1, 5: 8, 40: 64, 70: 1 << 62}[rows], load())
+    found = candidates("int8" if quantized else "bfloat16", True, 40, {1: 1, 5: 8, 40: 64, 70: 1 << 62}[rows], load())
     assert ("native" in found) == ("native.4rows" in found) == (load() is not None and rows <= 64)
     assert ("torch.mv" in found) == (not quantized and rows == 1)
     assert "torch.int8pack" not in found  # 40 columns: torch's kernel would crash
     if quantized:
-        assert "torch.int8pack" in candidates(True, True, 64, 8, None)
+        assert "torch.int8pack" in candidates("int8", True, 64, 8, None)
     for name, fn in found.items():
         got = fn(x, weight, bias)
         assert got.shape == (rows, 24) and got.dtype == torch.bfloat16, name

@@ -30,5 +30,5 @@ def test_quantize_names_the_formats():
     w = torch.ones(2, 2)
     assert quantize(w, None) is w
     assert isinstance(quantize(w, "int8"), Int8Weight)
-    with pytest.raises(ValueError, match="quantization must be one of int8 or None, got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4 or None, got 'int3'"):
         quantize(w, "int3")

@@ -25,6 +25,7 @@ import torch
 from services.attention import AttentionMetadata, DecodeKernel, torch_decode_attention
 from services.cache_folder import cache_root
 from services.engine_config import KERNEL_MODES
+from services.int4_weight import Int4Weight
 from services.kernels import native as native_build
 from services.kernels.linear_candidates import LinearFn, candidates
 from services.quantized_weight import Int8Weight
@@ -40,8 +41,9 @@ def bucket_of(rows: int) -> int:
     return 0 if rows == 1 else 1 if rows <= 8 else 2 if rows <= 64 else 3
 
 
-def weight_key(weight: torch.Tensor | Int8Weight) -> tuple:
-    fmt = "int8" if isinstance(weight, Int8Weight) else str(weight.dtype).removeprefix("torch.")
+def weight_key(weight: torch.Tensor | Int8Weight | Int4Weight) -> tuple:
+    fmt = ("int8" if isinstance(weight, Int8Weight) else "int4" if isinstance(weight, Int4Weight)
+           else str(weight.dtype).removeprefix("torch."))
     return (*weight.shape, fmt)
 
 
@@ -61,9 +63,9 @@ class KernelPlan:
             self._table[key] = tuple(self._fn(key, names[b], b) for b in range(len(BUCKETS)))
 
     def _fn(self, key: tuple, name: str, bucket: int) -> LinearFn:
-        return candidates(key[-1] == "int8", self.device.type == "cpu", key[1], MAX_ROWS[bucket], self.native)[name]
+        return candidates(key[-1], self.device.type == "cpu", key[1], MAX_ROWS[bucket], self.native)[name]
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
         """y = x @ weight^T (+ bias); x: [M, K], weight [N, K] (any format) -> [M, N]."""
         return self._table[weight_key(weight)][bucket_of(x.shape[0])](x, weight, bias)
@@ -86,7 +88,7 @@ class KernelPlan:
                            for k, v in self.linear_choices.items()}}
 
     @classmethod
-    def choose(cls, weights: list[torch.Tensor | Int8Weight], attention_shape: tuple[int, int, int],
+    def choose(cls, weights: list[torch.Tensor | Int8Weight | Int4Weight], attention_shape: tuple[int, int, int],
                dtype: torch.dtype, device: torch.device, mode: str = "auto") -> KernelPlan:
         """Measure (or read from the cache) the fastest kernel for each distinct weight and bucket.
 
@@ -104,8 +106,7 @@ class KernelPlan:
                 continue
             names = []
             for b, rows in enumerate(PROBE_ROWS):
-                found = candidates(isinstance(weight, Int8Weight), device.type == "cpu", weight.shape[1], MAX_ROWS[b],
-                                   native)
+                found = candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b], native)
                 if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
                     name = "native" if "native" in found else next(iter(found))  # torch.linear / dequant.linear
                     found = {name: found[name]}

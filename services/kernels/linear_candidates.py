@@ -6,15 +6,17 @@ one runs for a given weight shape and row count is measured on the host (`kernel
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from services.int4_weight import GROUP, Int4Weight
 from services.quantized_weight import Int8Weight
 
-LinearFn = Callable[[torch.Tensor, "torch.Tensor | Int8Weight", "torch.Tensor | None"], torch.Tensor]
+LinearFn = Callable[[torch.Tensor, "torch.Tensor | Int8Weight | Int4Weight", "torch.Tensor | None"], torch.Tensor]
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -38,6 +40,40 @@ def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
+def _int4_dequant_linear(native: ModuleType | None) -> LinearFn:
+    # many rows (prefill): the product is compute-bound, so W is dequantized once and multiplied densely
+    def dequant_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if native is not None and x.device.type == "cpu":
+            dense = native.int4_dequantize(weight.packed, weight.scale, weight.low, weight.in_features, x.dtype)
+        else:
+            dense = weight.dequantize(x.dtype)
+        return F.linear(x, dense, bias)
+    return dequant_linear
+
+
+# torch's own int4 kernel reads its own packing of the same values, made on first use and kept with
+# the weight (twice the weight's memory, only for weights where it is timed or chosen).
+_torch_int4_packs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight.packed) -> its packing
+
+
+def _int4_pack_mm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    key = id(weight.packed)
+    if key not in _torch_int4_packs:
+        n, k = weight.shape
+        rows = -(-n // 16) * 16  # torch's packing takes whole 16s of rows
+        q = torch.zeros(rows, k, dtype=torch.int32)
+        q[:n] = weight.levels()  # k is whole blocks here: no padding
+        scale, low = torch.ones(rows, k // GROUP), torch.zeros(rows, k // GROUP)
+        scale[:n], low[:n] = weight.scale.float(), weight.low.float()
+        # torch's int4 values are centred: w = (q - 8) * scale + zero, so zero = low + 8 * scale
+        scale_zeros = torch.stack([scale, low + 8 * scale], dim=2).transpose(0, 1).contiguous()  # [K / G, N', 2]
+        _torch_int4_packs[key] = (torch._convert_weight_to_int4pack_for_cpu(q, 2), scale_zeros)
+        weakref.finalize(weight.packed, _torch_int4_packs.pop, key, None)  # dropped with the weight
+    packed, scale_zeros = _torch_int4_packs[key]
+    y = torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zeros.to(x.dtype))[:, : weight.shape[0]]
+    return y if bias is None else y + bias
+
+
 def _native(module: ModuleType, rows: int) -> LinearFn:
     # rows: W rows in flight per thread (1: one sequential stream; 4: four streams, prefetched)
     def skinny(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -47,11 +83,24 @@ def _native(module: ModuleType, rows: int) -> LinearFn:
     return skinny
 
 
-def candidates(quantized: bool, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None
+def _native_int4(module: ModuleType) -> LinearFn:
+    def int4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        return module.int4_linear(x, weight.packed, weight.scale, weight.low, bias)
+    return int4
+
+
+def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None
                ) -> dict[str, LinearFn]:
-    """The kernels that can run a weight (int8 when `quantized`, else dense) of `in_features`
-    columns for batches of up to `max_rows` rows, on the CPU or not."""
-    if quantized:
+    """The kernels that can run a weight of `weight_format` ("int8", "int4", else a dense dtype) and
+    `in_features` columns for batches of up to `max_rows` rows, on the CPU or not."""
+    if weight_format == "int4":
+        found = {"dequant.linear": _int4_dequant_linear(native)}
+        if on_cpu and in_features % 64 == 0 and max_rows <= 64:  # torch's wants whole groups, unpadded
+            found["torch.int4pack"] = _int4_pack_mm
+        if on_cpu and native is not None and max_rows <= 64:
+            found["native"] = _native_int4(native)
+        return found
+    if weight_format == "int8":
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear}
         # torch's weight-only kernel is made for few rows; beyond 64 (prefill) the product is
         # compute-bound and one dequantized dense product wins. It crashes (SIGSEGV, torch 2.13) on
