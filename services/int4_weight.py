@@ -60,9 +60,10 @@ class Int4Weight:
             raise ValueError("int4 keeps its scales in float16: weights must be finite and below 60000 in magnitude")
         groups = w.view(n, kp // GROUP, GROUP)
         low, high = groups.amin(dim=2), groups.amax(dim=2)
-        # round the group's parameters to float16 first, so q is chosen against what is stored
-        low16 = low.half()
-        scale16 = torch.where(high > low, (high - low16.float()) / 15, torch.ones_like(low)).half()
+        # float16 parameters, rounded outwards (the minimum down, the step up), so that the grid they
+        # make still covers [low, high]: no value is clamped, and each is within half a step
+        low16 = _rounded(low, down=True)
+        scale16 = _rounded(torch.where(high > low, (high - low16.float()) / 15, torch.ones_like(low)), down=False)
         scale16 = torch.where(scale16 > 0, scale16, torch.full_like(scale16, 6e-8))  # a range below float16's least
         q = torch.round((groups - low16.float()[..., None]) / scale16.float()[..., None]).clamp_(0, 15)
         return cls(_pack(q.view(n, kp).to(torch.uint8)), scale16.contiguous(), low16.contiguous(), k)
@@ -99,6 +100,13 @@ class Int4Weight:
     def with_packed(self, packed: torch.Tensor) -> Int4Weight:
         """The same weight reading its nibbles from `packed` (a copy placed elsewhere, e.g. huge pages)."""
         return Int4Weight(packed, self.scale, self.low, self.in_features)
+
+
+def _rounded(values: torch.Tensor, down: bool) -> torch.Tensor:
+    """float32 -> the nearest float16 at or below (`down`) / at or above each value."""
+    half = values.half()
+    wrong = half.float() > values if down else half.float() < values
+    return torch.where(wrong, torch.nextafter(half, torch.full_like(half, float("-inf") if down else float("inf"))), half)
 
 
 def _pack(q: torch.Tensor) -> torch.Tensor:

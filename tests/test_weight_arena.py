@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services import Engine
+from services.int4_weight import Int4Weight
 from services.quantized_weight import Int8Weight
 from services.weight_arena import ALIGN, HUGE_PAGE, HugePageArena
 
@@ -28,12 +29,12 @@ def test_copies_are_exact_and_aligned():
         arena.copy(torch.ones(1))
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_the_model_streams_its_matrices_from_the_arena(tiny_path, quantization):
     model = Engine(tiny_path, quantization=quantization).runner.model
 
     def data(w):
-        return w.qweight if isinstance(w, Int8Weight) else w
+        return w.qweight if isinstance(w, Int8Weight) else w.packed if isinstance(w, Int4Weight) else w
 
     matrices = [data(model.lm_head)] + [data(getattr(layer, n)) for layer in model.layers
                                         for n in ("qkv", "o", "gate_up", "down")]
