@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.int4_weight import GROUP, Int4Weight
+from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.quantized_weight import Int8Weight
 
 LinearFn = Callable[[torch.Tensor, "torch.Tensor | Int8Weight | Int4Weight", "torch.Tensor | None"], torch.Tensor]
@@ -31,8 +32,8 @@ def _torch_mv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 def _int8_dequant_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     # int8 values are exact in bf16/fp16: one dense product, then each output column scaled
-    y = F.linear(x, weight.qweight.to(x.dtype)) * weight.scale.to(x.dtype)
-    return y if bias is None else y + bias
+    y = F.linear(x, DEQUANT_BUFFER.holding(weight.qweight, x.dtype)).mul_(weight.scale.to(x.dtype))
+    return y if bias is None else y.add_(bias)
 
 
 def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
