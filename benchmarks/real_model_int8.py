@@ -1,11 +1,11 @@
-"""A real model in 16 bits and in int8: load time, batch-1 decode time per token, and how far int8 moves the
-model on real text (docs/models.md).
+"""A real model in 16 bits, int8 and int4: load time, batch-1 decode time per token, and how far the
+quantized weights move the model on real text (docs/models.md).
 
 For the default model (SmolLM2-135M-Instruct, a Q4_1 GGUF) or any `--model`: the time to convert the GGUF
-(a fresh cache folder) and to load it; per variant (bf16, and int8 weight-only decode made at load), the
+(a fresh cache folder) and to load it; per variant (bf16, and int8 / int4 weight-only decode made at load), the
 median over `--rounds` of (generate 65 tokens - generate 1 token) / 64 at batch 1 (and, where llama-cpp-python
 is installed, llama.cpp's median `eval([token])` on the GGUF file as it is); and, teacher-forced on the
-opening of Pride and Prejudice (~350 tokens, public domain), how often int8's top token equals bf16's and the
+opening of Pride and Prejudice (~350 tokens, public domain), how often int8's / int4's top token equals bf16's and the
 mean |Δ logprob| of the text's own next token.
 
     python -m benchmarks.real_model_int8 --threads 2
@@ -101,7 +101,8 @@ def main() -> None:
         args.model = str(default_gguf())
     converted_s, load_s = convert_and_load(args.model) if args.model.endswith(".gguf") else (None, None)
     options = dict(max_model_len=512, enable_prefix_caching=False, num_threads=args.threads)
-    variants = {"float32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8")}
+    variants = {"float32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
+                "int4": ("bfloat16", "int4")}
     engines = {name: Engine(model=args.model, dtype=d, quantization=q, **options) for name, (d, q) in variants.items()}
     ids = engines["bf16"].tokenizer.encode(TEXT)
     timers = {name: engine_decode_ms(engine, ids[:32]) for name, engine in engines.items()}
@@ -113,7 +114,8 @@ def main() -> None:
     ms = median_in_turns(timers, args.rounds)
     logprobs = {name: text_logprobs(engine, ids) for name, engine in engines.items()}
     quality = {}
-    for variant, reference in (("bf16", "float32"), ("int8", "float32"), ("int8", "bf16")):
+    for variant, reference in (("bf16", "float32"), ("int8", "float32"), ("int8", "bf16"), ("int4", "float32"),
+                               ("int4", "bf16")):
         ours, theirs = logprobs[variant], logprobs[reference]
         quality[f"{variant} vs {reference}"] = (
             sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(ours, theirs)) / len(ours),

@@ -5,7 +5,7 @@ F intermediate size, V vocab size, L layers, S pool slots.
 Weights arrive with Hugging Face names; q/k/v and gate/up are fused at load, so each layer is
 four matrix products, each through the kernel plan's `linear` (the fastest kernel measured on this
 host for that weight and row count); with `quantization` the four and lm_head are weight-only
-quantized (the embedding lookup, norms and KV stay in the compute dtype).
+quantized (int4: lm_head in int8; the embedding lookup, norms and KV stay in the compute dtype).
 With a tensor-parallel `group`, the weights arrive already sharded (services/tensor_parallel_shards.py):
 H and K are then this rank's heads, o and down are summed over the ranks (all-reduce), the embedding
 rows are this rank's vocab slice (looked up, summed), and the logits are gathered on rank 0 only.
@@ -68,7 +68,11 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.embed = weights.pop("model.embed_tokens.weight")  # [V, D]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = quantize(self.embed if config.tie_word_embeddings else weights.pop("lm_head.weight"), quantization)
+        # int4 keeps the output projection in int8, as llama.cpp's 4-bit files keep theirs in 6-8 bits: on
+        # SmolLM2-135M an int4 lm_head alone moved the text's logprobs by 0.30 (int8: 0.03; docs/engine.md)
+        head_quantization = "int8" if quantization == "int4" else quantization
+        self.lm_head = quantize(self.embed if config.tie_word_embeddings else weights.pop("lm_head.weight"),
+                                head_quantization)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config, max_positions, device)
         self._into_huge_pages()

@@ -16,8 +16,9 @@ from services.scheduler import SampledToken
 
 def test_int4_accuracy_on_the_trained_checkpoint(stories_path):
     # Measured (AMD EPYC Zen 4, float32 compute): int8 0.26 mean |Δ logprob| and 84% top-1 agreement; int4
-    # (32-column groups) 2.16 and 22%. stories260K (dim 64, 260K parameters) is far more sensitive than
-    # real models (SmolLM2-135M: docs/engine.md), so the bounds pin the measured values, not a quality bar.
+    # (32-column groups, lm_head int8) 2.17 and 23%. stories260K (dim 64, 260K parameters) is far more
+    # sensitive than a real model (SmolLM2-135M: 0.03 and 98.5%, docs/engine.md): the bounds pin the
+    # measured values, they are no quality bar.
     full = Engine(stories_path, dtype="float32", kernels="native")
     int4 = Engine(stories_path, dtype="float32", kernels="native", quantization="int4")
     int4_error, int4_agree = teacher_forced(full, int4)
@@ -37,9 +38,9 @@ def test_a_decode_step_reads_the_packed_bytes(tiny_path):
     c = Engine(tiny_path).model_config  # tiny: every width is whole 64-column blocks, so nothing is padded
     matrices = c.num_layers * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
                                + c.hidden_size * c.num_heads * c.head_dim + 3 * c.intermediate_size * c.hidden_size)
-    matrices += c.vocab_size * c.hidden_size  # lm_head
+    head = c.vocab_size * c.hidden_size + 4 * c.vocab_size  # lm_head stays int8: a float32 scale per row
     norms = (2 * c.num_layers + 1) * c.hidden_size
-    assert int4.weight_bytes == matrices // 2 + 2 * 2 * matrices // 32 + 2 * norms  # nibbles, float16 scale + low
+    assert int4.weight_bytes == matrices // 2 + 2 * 2 * matrices // 32 + head + 2 * norms  # nibbles, float16 scale + low
     assert int4.layer_matmul_params == bf16.layer_matmul_params  # the same FLOPs: only the bytes change
 
 
