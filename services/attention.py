@@ -7,7 +7,7 @@ S pool slots (num_blocks * block_size), T context length.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,36 @@ class AttentionMetadata:
     block_size: int
     decode_mask: torch.Tensor | None  # [B, 1, 1, T_max] bool when every query_len is 1, else None
     context_lens_tensor: torch.Tensor | None = None  # [B] int64, the same as context_lens (decode steps)
+    # A mixed step's one-token rows as a decode batch of their own, made on the first layer's use
+    _decode_part: tuple[torch.Tensor, AttentionMetadata] | None = field(default=None, repr=False)
+
+    @staticmethod
+    def for_decode(context_lens: list[int], block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
+        """A decode batch's metadata (one query per sequence; its k/v already in the pool)."""
+        lens = torch.tensor(context_lens, dtype=torch.int64, device=block_tables.device)
+        ctx = torch.arange(max(context_lens), device=block_tables.device)
+        mask = (ctx[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, T_max]
+        slots = torch.empty(0, dtype=torch.int64, device=block_tables.device)
+        return AttentionMetadata(slots, [1] * len(context_lens), list(context_lens), block_tables, block_size, mask, lens)
+
+    def decode_part(self) -> tuple[torch.Tensor, AttentionMetadata] | None:
+        """In a mixed step (some sequences prefill, some decode): the flat rows of the sequences
+        with one new token [Bd], and their metadata as a decode batch; None when there are none."""
+        if self._decode_part is None:
+            starts, rows, seqs = 0, [], []
+            for i, query_len in enumerate(self.query_lens):
+                if query_len == 1:
+                    rows.append(starts)
+                    seqs.append(i)
+                starts += query_len
+            if not seqs:
+                return None
+            device = self.block_tables.device
+            tables = self.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.int64, device=device))
+            self._decode_part = (torch.tensor(rows, dtype=torch.int64, device=device),
+                                 AttentionMetadata.for_decode([self.context_lens[i] for i in seqs], tables,
+                                                              self.block_size))
+        return self._decode_part
 
 
 # (q [B, H, Dh], one layer's pool [2, S, K, Dh], meta, scale) -> [B, H, Dh]: one query per sequence
@@ -41,12 +71,20 @@ def paged_attention(
     """
     kv_cache[0].index_copy_(0, meta.slot_mapping, k)
     kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    kernel = decode_kernel or torch_decode_attention
     if meta.decode_mask is not None:
-        return (decode_kernel or torch_decode_attention)(q, kv_cache, meta, scale)
+        return kernel(q, kv_cache, meta, scale)
     out = torch.empty_like(q)
+    decoding = meta.decode_part()
+    if decoding is not None:  # the decoding sequences as one batch, not one SDPA call each
+        rows, decode_meta = decoding
+        out[rows] = kernel(q[rows], kv_cache, decode_meta, scale)
     start = 0
     for i, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
         end = start + query_len
+        if query_len == 1:  # done above
+            start = end
+            continue
         q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]
         if context_len == query_len:  # no cached prefix: attend to the fresh k/v directly
             k_i, v_i = k[start:end].transpose(0, 1).unsqueeze(0), v[start:end].transpose(0, 1).unsqueeze(0)
