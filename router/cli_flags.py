@@ -19,14 +19,19 @@ def kernel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", choices=KERNEL_MODES, default=None,
                         help="auto (default, or $PDSERVE_KERNELS): the fastest kernels measured on this host "
                              "(cached); torch: torch's only; native: the native CPU kernels wherever they run")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def quantization(name: str | None) -> str | None:
     return None if name == "none" else name
 
 
-def kernels(args: argparse.Namespace) -> dict[str, str]:
-    return {} if args.kernels is None else {"kernels": args.kernels}
+def kernels(args: argparse.Namespace) -> dict[str, object]:
+    options: dict[str, object] = {} if args.kernels is None else {"kernels": args.kernels}
+    if args.enforce_eager:
+        options["enforce_eager"] = True
+    return options
 
 
 def router_flags(parser: argparse.ArgumentParser) -> None:

@@ -37,6 +37,13 @@ class EngineConfig:
     # Ranks the model is sharded over (Megatron-style, services/tensor_parallel_shards.py); rank 0
     # runs this engine's scheduler, the others follow its step plans.
     tensor_parallel_size: int = 1
+    # On CUDA, decode steps of up to this many sequences replay CUDA graphs captured at start (one
+    # per bucket: 1, 2, 4, then multiples of 8; services/cuda_graph_runner.py); enforce_eager: never.
+    # Steps whose longest context exceeds max_seq_len_to_capture run eagerly too (vLLM's names): a
+    # graph's block tables have that width, and the torch decode kernel gathers all of it.
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 256
+    max_seq_len_to_capture: int = 8192
     # Test-only: seconds the engine thread sleeps after each step, so that a test's long request is
     # still running when the test acts on it, however fast the host (tests/cluster_harness.py).
     step_delay_s: float = 0.0
@@ -63,6 +70,11 @@ class EngineConfig:
             raise ValueError(f"step_delay_s must be >= 0, got {self.step_delay_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("max_cudagraph_capture_size", "max_seq_len_to_capture"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
 
@@ -83,6 +95,11 @@ class EngineConfig:
         if device_type == "cpu" and (model.torch_dtype == "float16" or not cpu_has_bf16):
             return "float32"  # CPUs lack fast fp16 matmuls; no native bf16 means emulated bf16
         return model.torch_dtype
+
+    def uses_cuda_graphs(self, device_type: str) -> bool:
+        """Decode graphs need CUDA, a single engine (a tensor-parallel group's collectives stay
+        eager) and not enforce_eager."""
+        return device_type == "cuda" and not self.enforce_eager and self.tensor_parallel_size == 1
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

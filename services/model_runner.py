@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from services.attention import AttentionMetadata
+from services.cuda_graph_runner import Capture, DecodeGraphs, capture_cuda_graph
 from services.kv_payload import KVPayload
 from services.model import LlamaModel
 from services.model_config import ModelConfig
@@ -40,16 +41,32 @@ class ModelRunner:
         self.parallel = parallel  # None: a single engine; else this rank's shard and its group
         shard, group = (parallel.layout, parallel.group) if parallel else (None, None)
         self.model = LlamaModel(config, weights, max_model_len, device, quantization, kernels, shard, group)
-        # The pool: [L, 2, num_blocks, block_size, K, Dh] (K: this rank's kv heads); kernels address it by flat slot.
+        # The pool: [L, 2, num_blocks + 1, block_size, K, Dh] (K: this rank's kv heads); kernels address
+        # it by flat slot. The extra last block belongs to no sequence: a padded decode graph's dummy
+        # rows write their KV there (services/cuda_graph_runner.py).
         num_kv_heads = self.model.num_kv_heads
-        self.kv_cache = torch.zeros(config.num_layers, 2, num_blocks, block_size, num_kv_heads,
+        self.scratch_block = num_blocks
+        self.kv_cache = torch.zeros(config.num_layers, 2, num_blocks + 1, block_size, num_kv_heads,
                                     config.head_dim, dtype=dtype, device=device)
-        self.kv_slots = self.kv_cache.view(config.num_layers, 2, num_blocks * block_size,
+        self.kv_slots = self.kv_cache.view(config.num_layers, 2, (num_blocks + 1) * block_size,
                                            num_kv_heads, config.head_dim)  # [L, 2, S, K, Dh]
+        self.max_model_len = max_model_len
+        self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs: decode steps from CUDA graphs
         self.cost = ModelCost.of(self.model, self.kv_bytes_per_token)
         if parallel is not None:  # this rank's share of the work, times the ranks: the group's
             self.cost = parallel.group_cost(self.cost)
         self.phase_totals = PhaseTotals()  # work and busy time per phase, for the efficiency gauges
+
+    def enable_decode_graphs(self, max_batch_size: int, max_seq_len: int, capture: Capture | None = None) -> None:
+        """Run decode steps of up to `max_batch_size` sequences, each of at most `max_seq_len` tokens,
+        from graphs, all captured now. `capture` defaults to CUDA graphs; tests pass one that runs
+        the padded forward eagerly."""
+        if self.parallel is not None:
+            raise ValueError("decode graphs are not supported in a tensor-parallel group (its collectives run eagerly)")
+        width = -(-min(self.max_model_len, max_seq_len) // self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_slots, self.block_size, width, self.scratch_block,
+                                          max_batch_size, capture or capture_cuda_graph)
+        self.decode_graphs.capture_all()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -102,9 +119,12 @@ class ModelRunner:
         [M, V] and the exported KV by request id (on a rank other than 0: None and {})."""
         for kv_import in plan.kv_imports:
             self._import(kv_import)
-        meta = self.attention_metadata(plan)
-        logits = self.model.forward(self._tensor(plan.input_ids), self._tensor(plan.positions), meta, self.kv_slots,
-                                    self._tensor(plan.logit_indices))
+        if self.decode_graphs is not None and self.decode_graphs.can_run(plan):
+            logits = self.decode_graphs.run(plan)
+        else:  # prefill, mixed, or more sequences than the largest graph: eager
+            meta = self.attention_metadata(plan)
+            logits = self.model.forward(self._tensor(plan.input_ids), self._tensor(plan.positions), meta,
+                                        self.kv_slots, self._tensor(plan.logit_indices))
         exported = {e.request_id: self._export(e) for e in plan.kv_exports}
         return logits, {rid: kv for rid, kv in exported.items() if kv is not None}
 
