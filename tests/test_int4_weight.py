@@ -70,17 +70,21 @@ def native():
     return module
 
 
+@pytest.mark.parametrize("kernel", ["int4_linear", "int4_tiled_linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200),
-                                                           (9, 5, 128), (1, 130, 2048)])
-def test_native_int4_linear_is_the_dequantized_product(native, dtype, rows, out_features, in_features):
+                                                           (9, 5, 128), (1, 130, 2048), (13, 37, 256)])
+def test_native_int4_linear_is_the_dequantized_product(native, kernel, dtype, rows, out_features, in_features):
+    # odd row counts and widths: the tiled kernel's 4 x 4 tiles and 16-row buffers end mid-way
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     weight = Int4Weight.quantize(torch.randn(out_features, in_features, generator=g))
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype)
-    got = native.int4_linear(x, weight.packed, weight.scale, weight.low, bias)
+    got = getattr(native, kernel)(x, weight.packed, weight.scale, weight.low, bias)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    want = F.linear(x.float(), weight.dequantize(torch.float32), bias.float())
+    # the tiled kernel multiplies bf16 weights (as dequantize + F.linear does): its reference rounds them too
+    weights = weight.dequantize(dtype if kernel == "int4_tiled_linear" else torch.float32).float()
+    want = F.linear(x.float(), weights, bias.float())
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
 
@@ -95,8 +99,9 @@ def test_native_dequantization_is_the_reference(native, dtype):
 
 def test_native_refuses_mismatched_shapes(native):
     weight = Int4Weight.quantize(torch.ones(3, 64))
-    with pytest.raises(RuntimeError, match="K within the weight's last 64-column block"):
-        native.int4_linear(torch.ones(1, 65), weight.packed, weight.scale, weight.low, None)
+    for kernel in (native.int4_linear, native.int4_tiled_linear):
+        with pytest.raises(RuntimeError, match="K within the weight's last 64-column block"):
+            kernel(torch.ones(1, 65), weight.packed, weight.scale, weight.low, None)
     with pytest.raises(RuntimeError, match="scale and low must be contiguous float16"):
         native.int4_linear(torch.ones(1, 64), weight.packed, weight.scale.float(), weight.low, None)
     with pytest.raises(RuntimeError, match="dequantizes to float32, bfloat16 or float16"):
@@ -113,6 +118,7 @@ def test_every_int4_candidate_computes_the_same_product(rows, in_features):
     found = candidates("int4", True, in_features, {1: 1, 5: 8, 40: 64, 70: 1 << 62}[rows], load())
     assert ("torch.int4pack" in found) == (in_features == 64 and rows <= 64)  # whole groups, few rows
     assert ("native" in found) == (load() is not None and rows <= 64) and "dequant.linear" in found
+    assert ("native.tiled" in found) == (load() is not None and 1 < rows <= 64)
     want = F.linear(x.float(), weight.dequantize(torch.float32), bias.float())
     for name, fn in found.items():
         got = fn(x, weight, bias)

@@ -24,69 +24,12 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "int4_block.h"
 
 namespace {
 
-constexpr int64_t kGroup = 32, kBlock = 64, kTile = 4;  // kTile: x rows per pass over W
-
-inline int block_order(int e) { return 16 * ((e % 32) / 8) + e % 8 + (e >= 32 ? 8 : 0); }
-
-// One row's group parameters as float32 ([Kp / G] each).
-inline void row_params(const at::Half* scale, const at::Half* low, int64_t groups, float* sc, float* lo) {
-  int64_t g = 0;
-#if defined(__AVX512F__)
-  for (; g + 16 <= groups; g += 16) {  // 16 at a time: a scalar half conversion costs more than a block's dot
-    _mm512_storeu_ps(sc + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g))));
-    _mm512_storeu_ps(lo + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + g))));
-  }
-#endif
-  for (; g < groups; ++g) {
-    sc[g] = static_cast<float>(scale[g]);
-    lo[g] = static_cast<float>(low[g]);
-  }
-}
-
-#if defined(__AVX512BW__)
-// Block b's 64 columns as two registers of 32 bf16 words 0x43qq = 128 + q, in column order.
-inline void block_words(const uint8_t* packed, int64_t b, __m512i& wa, __m512i& wb) {
-  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32)));
-  const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_set1_epi8(0x0F));
-  wa = _mm512_unpacklo_epi8(nibbles, _mm512_set1_epi8(0x43));  // columns 64b .. 64b + 31
-  wb = _mm512_unpackhi_epi8(nibbles, _mm512_set1_epi8(0x43));  // columns 64b + 32 .. 64b + 63
-}
-#endif
-
-// One row of W as float32 (out: [Kp]), in column order.
-void dequantize_row(const uint8_t* packed, const float* sc, const float* lo, int64_t Kp, float* out) {
-#if defined(__AVX512BW__)
-  for (int64_t b = 0; b < Kp / kBlock; ++b) {
-    __m512i words[2];
-    block_words(packed, b, words[0], words[1]);
-    for (int h = 0; h < 4; ++h) {  // 16 columns at a time: bf16 -> float32 is a shift; q = that - 128
-      const __m256i part = _mm512_extracti64x4_epi64(words[h / 2], 0);
-      const __m256i part_hi = _mm512_extracti64x4_epi64(words[h / 2], 1);
-      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h % 2 ? part_hi : part), 16));
-      const int64_t g = (b * kBlock + 16 * h) / kGroup;
-      const __m512 q = _mm512_sub_ps(v, _mm512_set1_ps(128.f));
-      _mm512_storeu_ps(out + b * kBlock + 16 * h, _mm512_fmadd_ps(q, _mm512_set1_ps(sc[g]), _mm512_set1_ps(lo[g])));
-    }
-  }
-#else
-  for (int64_t b = 0; b < Kp / kBlock; ++b) {
-    const uint8_t* bytes = packed + b * 32;
-    for (int e = 0; e < kBlock; ++e) {
-      const int p = block_order(e);
-      const int q = p < 32 ? bytes[p] & 15 : bytes[p - 32] >> 4;
-      const int64_t g = (b * kBlock + e) / kGroup;
-      out[b * kBlock + e] = q * sc[g] + lo[g];
-    }
-  }
-#endif
-}
+using namespace int4;
+constexpr int64_t kTile = 4;  // x rows per pass over W
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // acc[m] = dot(x[m, :Kp], W row) for MT rows of x (bf16, zero past K), xsum[m]: [Kp / G] group sums.
@@ -142,37 +85,6 @@ void bf16_rows(const at::BFloat16* x, const float* xsum, int64_t Kp, const uint8
   }
 }
 #endif
-
-// out[:K] = row[:K] in out's dtype (round to nearest even, as torch's conversions do).
-inline void store_row(const float* row, float* out, int64_t K) { std::copy(row, row + K, out); }
-inline void store_row(const float* row, at::Half* out, int64_t K) {
-  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<at::Half>(row[k]);
-}
-inline void store_row(const float* row, at::BFloat16* out, int64_t K) {
-  int64_t k = 0;
-#if defined(__AVX512BF16__)
-  for (; k + 16 <= K; k += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
-#endif
-  for (; k < K; ++k) out[k] = static_cast<at::BFloat16>(row[k]);
-}
-
-struct Int4Args {
-  torch::Tensor packed, scale, low;
-  int64_t N, Kp, groups;
-};
-
-Int4Args check(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low) {
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu(),
-              "packed must be a contiguous CPU uint8 [N, Kp / 2]");
-  const int64_t N = packed.size(0), Kp = packed.size(1) * 2;
-  TORCH_CHECK(Kp % kBlock == 0, "packed rows must hold whole 64-column blocks, got ", Kp, " columns");
-  for (const auto* t : {&scale, &low})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) * kGroup == Kp,
-                "scale and low must be contiguous float16 [N, Kp / 32]");
-  return {packed, scale, low, N, Kp, Kp / kGroup};
-}
 
 }  // namespace
 

@@ -84,9 +84,9 @@ def _native(module: ModuleType, rows: int) -> LinearFn:
     return skinny
 
 
-def _native_int4(module: ModuleType) -> LinearFn:
+def _native_int4(kernel: Callable) -> LinearFn:
     def int4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        return module.int4_linear(x, weight.packed, weight.scale, weight.low, bias)
+        return kernel(x, weight.packed, weight.scale, weight.low, bias)
     return int4
 
 
@@ -99,7 +99,9 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and in_features % 64 == 0 and max_rows <= 64:  # torch's wants whole groups, unpadded
             found["torch.int4pack"] = _int4_pack_mm
         if on_cpu and native is not None and max_rows <= 64:
-            found["native"] = _native_int4(native)
+            found["native"] = _native_int4(native.int4_linear)  # streams W, converts per row
+            if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
+                found["native.tiled"] = _native_int4(native.int4_tiled_linear)
         return found
     if weight_format == "int8":
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear}
