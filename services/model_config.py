@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.config_fields import flag, positive_float, positive_int, read_json, token_ids
 from services.errors import CheckpointError
 from services.gguf_folder import resolve_folder
+from services.rope_scaling import RopeScaling, read_rope
 
 # HF `architectures` value -> our family name. Everything else is refused by name.
 SUPPORTED_ARCHITECTURES = {
@@ -19,17 +20,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rotary scaling from `rope_scaling`; `rope_type` is "linear" or "llama3"."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -75,9 +65,9 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise CheckpointError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         arch = _architecture(raw, source)
-        hidden = _int(raw, "hidden_size", source)
-        heads = _int(raw, "num_attention_heads", source)
-        kv_heads = _int(raw, "num_key_value_heads", source, default=heads)
+        hidden = positive_int(raw, "hidden_size", source)
+        heads = positive_int(raw, "num_attention_heads", source)
+        kv_heads = positive_int(raw, "num_key_value_heads", source, default=heads)
         if heads % kv_heads:
             raise CheckpointError(f"{source}: field 'num_attention_heads' ({heads}) is not divisible by "
                                   f"'num_key_value_heads' ({kv_heads})")
@@ -87,39 +77,39 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise CheckpointError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
-        if _bool(raw, "mlp_bias", source, default=False):
+        if flag(raw, "mlp_bias", source, default=False):
             raise CheckpointError(f"{source}: field 'mlp_bias' is true; MLP biases are not supported")
         if arch == "qwen2":
             attention_bias = True  # Qwen2 always biases q/k/v (never o); the config has no switch
         elif arch == "mistral":
             attention_bias = False  # HF's Mistral ignores the field
-        elif _bool(raw, "attention_bias", source, default=False):
+        elif flag(raw, "attention_bias", source, default=False):
             raise CheckpointError(f"{source}: field 'attention_bias' is true for {arch}, which also biases "
                                   "o_proj; only Qwen2's q/k/v bias is supported")
         else:
             attention_bias = False
-        vocab = _int(raw, "vocab_size", source)
-        rope_theta, rope_scaling = _rope(raw, source)
+        vocab = positive_int(raw, "vocab_size", source)
+        rope_theta, rope_scaling = read_rope(raw, source)
         dtype_key = "torch_dtype" if raw.get("torch_dtype") is not None else "dtype"  # transformers 5 writes "dtype"
         dtype = raw.get(dtype_key) or "float32"
         if dtype not in SUPPORTED_DTYPES:
             raise CheckpointError(f"{source}: field {dtype_key!r} is {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
-        eos = _token_ids(raw.get("eos_token_id"), "eos_token_id", vocab, source)
-        bos = _token_ids(raw.get("bos_token_id"), "bos_token_id", vocab, source)
+        eos = token_ids(raw.get("eos_token_id"), "eos_token_id", vocab, source)
+        bos = token_ids(raw.get("bos_token_id"), "bos_token_id", vocab, source)
         return cls(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=_int(raw, "intermediate_size", source),
-            num_layers=_int(raw, "num_hidden_layers", source),
+            intermediate_size=positive_int(raw, "intermediate_size", source),
+            num_layers=positive_int(raw, "num_hidden_layers", source),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=_int(raw, "head_dim", source, default=hidden // heads),
-            rms_norm_eps=_float(raw, "rms_norm_eps", source, default=1e-6),
+            head_dim=positive_int(raw, "head_dim", source, default=hidden // heads),
+            rms_norm_eps=positive_float(raw, "rms_norm_eps", source, default=1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_int(raw, "max_position_embeddings", source, default=2048),
-            tie_word_embeddings=_bool(raw, "tie_word_embeddings", source, default=False),
+            max_position_embeddings=positive_int(raw, "max_position_embeddings", source, default=2048),
+            tie_word_embeddings=flag(raw, "tie_word_embeddings", source, default=False),
             attention_bias=attention_bias,
             qk_norm=arch == "qwen3",
             torch_dtype=dtype,
@@ -134,28 +124,19 @@ class ModelConfig:
         A `.gguf` file's converted folder is read in its place (services/gguf_folder.py)."""
         folder = resolve_folder(path)
         config_path = folder / "config.json"
-        config = cls.from_hf_dict(_read_json(config_path), source=str(config_path))
+        config = cls.from_hf_dict(read_json(config_path), source=str(config_path))
         gen_path = folder / "generation_config.json"
         if not gen_path.is_file():
             return config
-        gen = _read_json(gen_path)
+        gen = read_json(gen_path)
         if not isinstance(gen, dict):
             raise CheckpointError(f"{gen_path}: expected a JSON object, got {type(gen).__name__}")
         updates: dict[str, Any] = {}
         for key, field in (("eos_token_id", "eos_token_ids"), ("bos_token_id", "bos_token_id")):
             if gen.get(key) is not None:
-                ids = _token_ids(gen[key], key, config.vocab_size, str(gen_path))
+                ids = token_ids(gen[key], key, config.vocab_size, str(gen_path))
                 updates[field] = ids if field == "eos_token_ids" else ids[0] if ids else None
         return dataclasses.replace(config, **updates)
-
-
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
 
 
 def _architecture(raw: dict, source: str) -> str:
@@ -173,87 +154,12 @@ def _architecture(raw: dict, source: str) -> str:
     return SUPPORTED_ARCHITECTURES[names[0]]
 
 
-_MISSING: Any = object()
-
-
-def _int(raw: dict, key: str, source: str, default: Any = _MISSING) -> int:
-    value = raw.get(key)
-    if value is None:
-        if default is _MISSING:
-            raise CheckpointError(f"{source}: required field {key!r} is missing")
-        value = default
-    # bool is an int subclass; JSON `true` is never a valid size
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _float(raw: dict, key: str, source: str, default: Any = _MISSING) -> float:
-    value = raw.get(key)
-    if value is None:
-        if default is _MISSING:
-            raise CheckpointError(f"{source}: required field {key!r} is missing")
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise CheckpointError(f"{source}: field {key!r} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _bool(raw: dict, key: str, source: str, default: bool) -> bool:
-    value = raw.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise CheckpointError(f"{source}: field {key!r} must be true or false, got {value!r}")
-    return value
-
-
-def _token_ids(value: Any, key: str, vocab: int, source: str) -> tuple[int, ...]:
-    ids = [] if value is None else value if isinstance(value, list) else [value]
-    for token_id in ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
-            raise CheckpointError(f"{source}: field {key!r} holds {token_id!r}, not a token id below {vocab}")
-    return tuple(dict.fromkeys(ids))  # drop duplicates, keep order
-
-
-def _rope(raw: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from the legacy `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`."""
-    params = raw.get("rope_parameters")
-    if params is not None:
-        key = "rope_parameters"
-        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-            raise CheckpointError(f"{source}: field 'rope_parameters' must be one flat object, got {params!r}")
-        theta_src = params if "rope_theta" in params else raw
-    else:
-        key, params, theta_src = "rope_scaling", raw.get("rope_scaling"), raw
-    theta = _float(theta_src, "rope_theta", source, default=10000.0)
-    if params is None:
-        return theta, None
-    if not isinstance(params, dict):
-        raise CheckpointError(f"{source}: field {key!r} must be an object or null, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type not in ("linear", "llama3"):
-        raise CheckpointError(
-            f"{source}: field '{key}.rope_type' is {rope_type!r}; supported: 'default', 'linear', 'llama3'")
-    factor = _float(params, "factor", f"{source}: {key}")
-    if rope_type == "linear":
-        return theta, RopeScaling(rope_type="linear", factor=factor)
-    low = _float(params, "low_freq_factor", f"{source}: {key}")
-    high = _float(params, "high_freq_factor", f"{source}: {key}")
-    if high <= low:
-        raise CheckpointError(f"{source}: field '{key}.high_freq_factor' ({high}) must exceed low_freq_factor ({low})")
-    original = _int(params, "original_max_position_embeddings", f"{source}: {key}")
-    return theta, RopeScaling("llama3", factor, low, high, original)
-
-
 def _sliding_window(raw: dict, arch: str, source: str) -> int | None:
     if arch in ("qwen2", "qwen3"):
         # Qwen configs carry a `sliding_window` value that is only used when this switch is on.
-        if _bool(raw, "use_sliding_window", source, default=False):
+        if flag(raw, "use_sliding_window", source, default=False):
             raise CheckpointError(f"{source}: field 'use_sliding_window' is true; sliding-window Qwen is not supported")
         return None
     if arch != "mistral" or raw.get("sliding_window") is None:
         return None
-    return _int(raw, "sliding_window", source)
+    return positive_int(raw, "sliding_window", source)
