@@ -61,6 +61,9 @@ class Engine:
                                   num_blocks, self.max_model_len, self.config.quantization, self.config.kernels,
                                   self.tensor_parallel)
         log.info("%s", self.runner.model.plan.summary)
+        if self.runner.gpu_decode_attention is not None:
+            log.info("decode attention on %s: %s (services/gpu_decode_attention.py)", self.device,
+                     self.runner.gpu_decode_attention)
         if self.config.uses_cuda_graphs(self.device.type):
             self.runner.enable_decode_graphs(min(self.config.max_num_seqs, self.config.max_cudagraph_capture_size),
                                              self.config.max_seq_len_to_capture)

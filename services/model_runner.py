@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from services import gpu_decode_attention
 from services.attention import AttentionMetadata
 from services.cuda_graph_runner import Capture, DecodeGraphs, capture_cuda_graph
 from services.kv_payload import KVPayload
@@ -41,6 +42,11 @@ class ModelRunner:
         self.parallel = parallel  # None: a single engine; else this rank's shard and its group
         shard, group = (parallel.layout, parallel.group) if parallel else (None, None)
         self.model = LlamaModel(config, weights, max_model_len, device, quantization, kernels, shard, group)
+        self.gpu_decode_attention = None  # on CUDA: the in-place paged decode kernel measured fastest here
+        if device.type == "cuda" and kernels != "torch":
+            shape = (self.model.num_heads, self.model.num_kv_heads, config.head_dim)
+            self.gpu_decode_attention, self.model.decode_kernel = gpu_decode_attention.choose(
+                shape, dtype, device, block_size)
         # The pool: [L, 2, num_blocks + 1, block_size, K, Dh] (K: this rank's kv heads); kernels address
         # it by flat slot. The extra last block belongs to no sequence: a padded decode graph's dummy
         # rows write their KV there (services/cuda_graph_runner.py).
