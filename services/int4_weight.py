@@ -13,8 +13,9 @@ scale and low are float16 (llama.cpp's Q4 formats store theirs in 16 bits too): 
 Storage order, chosen for the native kernel (services/kernels/int4_linear.cpp): each 64-column block
 is 32 bytes; the kernel loads them into both halves of a 512-bit register, shifts the upper half's
 bytes right by 4, masks, and interleaves bytes with 0x43 (`unpacklo/hi_epi8`), which makes the bf16
-values 128 + q in k order. `BLOCK_ORDER[e]` is where column e of a block lands in that register:
-byte e' < 32 is byte e' of the block's low nibbles, e' >= 32 byte e' - 32's high nibbles.
+values 128 + q, in an order where the vdpbf16ps lanes alternate between the block's two groups.
+`BLOCK_ORDER[e]` is where column e of a block lands in that register: byte e' < 32 is byte e' of
+the block's low nibbles, e' >= 32 byte e' - 32's high nibbles.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ BLOCK = 64  # columns per 32 stored bytes
 
 
 def _block_order() -> torch.Tensor:
-    # unpacklo takes bytes 16L + 0..7 of each 128-bit lane L (words 8L + i of the low 32 columns),
-    # unpackhi bytes 16L + 8..15 (words 8L + i of the high 32 columns)
+    # column e -> register r (unpacklo: 0, unpackhi: 1) and word w, even vdpbf16ps lanes (word pairs)
+    # holding the block's first group, odd lanes its second (int4_block.h: block_slot); unpacklo takes
+    # bytes 16L + 0..7 of each 128-bit lane L as words 8L + 0..7, unpackhi bytes 16L + 8..15
     e = torch.arange(BLOCK)
-    lane, i = (e % 32) // 8, e % 8
-    return 16 * lane + i + 8 * (e >= 32)
+    group, within = e // 32, e % 32
+    r, w = within // 16, 4 * ((within % 16) // 2) + 2 * group + within % 2
+    return 16 * (w // 8) + w % 8 + 8 * r
 
 
 BLOCK_ORDER = _block_order()  # [64] column -> register byte

@@ -22,10 +22,10 @@ def test_hand_example_layout():
     w = Int4Weight.quantize(torch.tensor([levels], dtype=torch.float32))
     assert w.scale.tolist() == [[1.0, 1.0]] and w.low.tolist() == [[0.0, 0.0]]
     assert w.levels()[0].tolist() == levels and w.dequantize(torch.float32)[0].tolist() == levels
-    # byte 0: column 0 low, column 16 high; byte 8: column 32 low, column 48 high (see BLOCK_ORDER)
+    # byte 0: column 0 low, column 8 high; byte 8: column 16 low, column 24 high (see BLOCK_ORDER)
     assert w.packed.shape == (1, 32) and w.packed.dtype == torch.uint8
-    assert int(w.packed[0, 0]) == levels[0] | levels[16] << 4 == 16
-    assert int(w.packed[0, 8]) == levels[32] | levels[48] << 4 == 50
+    assert int(w.packed[0, 0]) == levels[0] | levels[8] << 4 == 128
+    assert int(w.packed[0, 8]) == levels[16] | levels[24] << 4 == 145
     assert w.nbytes == 32 + 2 * 2 * 2 and w.shape == (1, 64)
 
 

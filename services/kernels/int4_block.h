@@ -19,7 +19,21 @@ namespace int4 {
 
 constexpr int64_t kGroup = 32, kBlock = 64;
 
-inline int block_order(int e) { return 16 * ((e % 32) / 8) + e % 8 + (e >= 32 ? 8 : 0); }
+// Where column e (0..63) of a block sits: register r (0: unpacklo's words, 1: unpackhi's), word w of it.
+// Words pair up in vdpbf16ps lanes (lane j: words 2j, 2j + 1); even lanes hold the block's first group
+// (columns 0..31), odd lanes its second (32..63), so one product of a pair of registers covers both
+// groups and one FMA by [scale_a, scale_b, scale_a, ...] (a 2-float broadcast) scales them.
+inline void block_slot(int e, int& r, int& w) {
+  const int group = e / 32, within = e % 32;
+  r = within / 16;
+  w = 4 * ((within % 16) / 2) + 2 * group + within % 2;
+}
+// The nibble byte of column e: unpacklo/hi take bytes 16L + 0..7 / 16L + 8..15 of 128-bit lane L.
+inline int block_order(int e) {
+  int r, w;
+  block_slot(e, r, w);
+  return 16 * (w / 8) + w % 8 + 8 * r;
+}
 
 // One row's group parameters as float32 ([Kp / G] each).
 inline void row_params(const at::Half* scale, const at::Half* low, int64_t groups, float* sc, float* lo) {
@@ -37,13 +51,13 @@ inline void row_params(const at::Half* scale, const at::Half* low, int64_t group
 }
 
 #if defined(__AVX512BW__)
-// Block b's 64 columns as two registers of 32 bf16 words 0x43qq = 128 + q, in column order.
+// Block b's 64 columns as two registers of 32 bf16 words 0x43qq = 128 + q, in block_slot's order.
 inline void block_words(const uint8_t* packed, int64_t b, __m512i& wa, __m512i& wb) {
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32)));
   const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_set1_epi8(0x0F));
-  wa = _mm512_unpacklo_epi8(nibbles, _mm512_set1_epi8(0x43));  // columns 64b .. 64b + 31
-  wb = _mm512_unpackhi_epi8(nibbles, _mm512_set1_epi8(0x43));  // columns 64b + 32 .. 64b + 63
+  wa = _mm512_unpacklo_epi8(nibbles, _mm512_set1_epi8(0x43));  // r = 0: columns 0..15 and 32..47 of the block
+  wb = _mm512_unpackhi_epi8(nibbles, _mm512_set1_epi8(0x43));  // r = 1: columns 16..31 and 48..63
 }
 #endif
 
@@ -53,14 +67,21 @@ inline void dequantize_row(const uint8_t* packed, const float* sc, const float* 
   for (int64_t b = 0; b < Kp / kBlock; ++b) {
     __m512i words[2];
     block_words(packed, b, words[0], words[1]);
-    for (int h = 0; h < 4; ++h) {  // 16 columns at a time: bf16 -> float32 is a shift; q = that - 128
-      const __m256i part = _mm512_extracti64x4_epi64(words[h / 2], 0);
-      const __m256i part_hi = _mm512_extracti64x4_epi64(words[h / 2], 1);
-      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h % 2 ? part_hi : part), 16));
-      const int64_t g = (b * kBlock + 16 * h) / kGroup;
-      const __m512 q = _mm512_sub_ps(v, _mm512_set1_ps(128.f));
-      _mm512_storeu_ps(out + b * kBlock + 16 * h, _mm512_fmadd_ps(q, _mm512_set1_ps(sc[g]), _mm512_set1_ps(lo[g])));
-    }
+    // 16 words at a time: bf16 -> float32 is a shift, q = that - 128; the words of half h of register r
+    // are columns 16r + 8h + 0..7 of each group, pairwise interleaved: sorted into [group a x 8, group b x 8]
+    const __m512i sort = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(sc[2 * b]), _mm256_set1_ps(sc[2 * b + 1]), 1);
+    const __m512 low = _mm512_insertf32x8(_mm512_set1_ps(lo[2 * b]), _mm256_set1_ps(lo[2 * b + 1]), 1);
+    for (int r = 0; r < 2; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i part = _mm512_extracti64x4_epi64(words[r], 0), part_hi = _mm512_extracti64x4_epi64(words[r], 1);
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h ? part_hi : part), 16));
+        const __m512 q = _mm512_permutexvar_ps(sort, _mm512_sub_ps(v, _mm512_set1_ps(128.f)));
+        const __m512 w = _mm512_fmadd_ps(q, scale, low);
+        float* at = out + b * kBlock + 16 * r + 8 * h;
+        _mm256_storeu_ps(at, _mm512_castps512_ps256(w));
+        _mm256_storeu_ps(at + 32, _mm512_extractf32x8_ps(w, 1));
+      }
   }
 #else
   for (int64_t b = 0; b < Kp / kBlock; ++b) {

@@ -6,22 +6,26 @@
 //   x:      [M, K]       float32 / bfloat16 / float16
 //   packed: [N, Kp / 2]  uint8; block b of row n is 32 bytes; column e of the block is the low
 //                        nibble of byte ORDER[e] (ORDER[e] < 32) or the high nibble of byte ORDER[e] - 32
+//                        (ORDER: block_order in int4_block.h, BLOCK_ORDER in int4_weight.py)
 //   scale:  [N, Kp / G]  float16;  low: [N, Kp / G] float16:  w[n, k] = q * scale[n, k/G] + low[n, k/G]
 //   bias:   [N]          optional, x's dtype
 //   y:      [M, N]       x's dtype, accumulated in float32
 //
 // Why the layout: with bf16 x on a CPU with AVX512-BF16, a block's 32 bytes loaded into both halves
 // of a register, the upper half shifted right by 4 and masked, give 64 nibbles; interleaving their
-// bytes with 0x43 (unpacklo/hi_epi8) makes 2 x 32 bf16 words 0x43qq = 128 + q, exactly, already
-// in column order: no table, no conversion. Then w = (128 + q) * scale + (low - 128 * scale), so
-// a row is sum_g scale_g * dot(x_g, 128 + q_g) + sum_g (low_g - 128 scale_g) * sum(x_g): one
-// vdpbf16ps and one FMA per group, plus one short dot per row. Threads split N.
+// bytes with 0x43 (unpacklo/hi_epi8) makes 2 x 32 bf16 words 0x43qq = 128 + q, exactly: no table, no
+// conversion. Then w = (128 + q) * scale + (low - 128 * scale), so a row is
+// sum_g scale_g * dot(x_g, 128 + q_g) + sum_g (low_g - 128 scale_g) * sum(x_g). The words are ordered
+// so that the even lanes of vdpbf16ps sum the block's first group and the odd lanes its second: two
+// vdpbf16ps and one FMA (by the two scales, alternating) per 64 weights, plus one short dot per row;
+// x is put in the same order once per call. Threads split N.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "int4_block.h"
@@ -39,25 +43,30 @@ void dot_row(const at::BFloat16* x, int64_t Kp, const uint8_t* packed, const flo
   __m512 vacc[MT][4];
   for (int m = 0; m < MT; ++m)
     for (int a = 0; a < 4; ++a) vacc[m][a] = _mm512_setzero_ps();
-  // Block b into accumulators a, a + 1 (a fixed at compile time: indexed at run time they live in memory).
+  // Block b into accumulator a (fixed at compile time: indexed at run time they live in memory). x is in
+  // block_slot's order: per block, register 0's 32 words, then register 1's.
   auto block = [&](int64_t b, int a) __attribute__((always_inline)) {
     __m512i wa, wb;
     block_words(packed, b, wa, wb);
-    const __m512 sa = _mm512_set1_ps(sc[2 * b]), sb = _mm512_set1_ps(sc[2 * b + 1]);
+    double pair;  // the block's two group scales, broadcast as a, b, a, b, ...
+    std::memcpy(&pair, sc + 2 * b, sizeof pair);
+    const __m512 s = _mm512_castpd_ps(_mm512_set1_pd(pair));
     for (int m = 0; m < MT; ++m) {
       const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + m * Kp + b * kBlock);
       const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + m * Kp + b * kBlock + 32);
-      vacc[m][a] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xa, (__m512bh)wa), sa, vacc[m][a]);
-      vacc[m][a + 1] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xb, (__m512bh)wb), sb, vacc[m][a + 1]);
+      const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xa, (__m512bh)wa), xb, (__m512bh)wb);
+      vacc[m][a] = _mm512_fmadd_ps(dot, s, vacc[m][a]);
     }
   };
   const int64_t blocks = Kp / kBlock;
   int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {  // two blocks' chains in flight: the FMA latency is hidden
+  for (; b + 4 <= blocks; b += 4) {  // four blocks' chains in flight: the dot and FMA latencies are hidden
     block(b, 0);
-    block(b + 1, 2);
+    block(b + 1, 1);
+    block(b + 2, 2);
+    block(b + 3, 3);
   }
-  if (b < blocks) block(b, 0);
+  for (; b < blocks; ++b) block(b, 0);
   const int64_t groups = Kp / kGroup;
   for (int m = 0; m < MT; ++m) {
     __m512 sum = _mm512_add_ps(_mm512_add_ps(vacc[m][0], vacc[m][1]), _mm512_add_ps(vacc[m][2], vacc[m][3]));
@@ -104,6 +113,13 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     torch::Tensor xp = torch::zeros({M, Kp}, x.options());  // [M, Kp], zero past K
     xp.narrow(1, 0, K).copy_(x);
     torch::Tensor xsum = xp.view({M, groups, kGroup}).to(at::kFloat).sum(2).contiguous();  // [M, Kp / G]
+    std::vector<int64_t> order(kBlock);  // slot -> column: x in the order of the weights' bf16 words
+    for (int e = 0; e < kBlock; ++e) {
+      int r, w;
+      block_slot(e, r, w);
+      order[32 * r + w] = e;
+    }
+    xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, torch::tensor(order)).contiguous();  // [M, Kp / 64, 64]
     const at::BFloat16* xv = xp.data_ptr<at::BFloat16>();
     const float* xs = xsum.data_ptr<float>();
     at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
