@@ -1,0 +1,135 @@
+"""DeviceKV (KV checked on its device) and KVStage, and the KV moved over Ray Direct Transport with
+the gloo transport between two async actors, as CPU tensors (the GPU transports run in gpu_check)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray.experimental.collective import create_collective_group
+
+from services.device_kv import DeviceKV, KVStage, device_checksum
+from services.errors import KVTransferError
+
+
+def kv_of(dtype: torch.dtype, num_tokens: int = 37, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 2, num_tokens, 2, 16, generator=gen).to(dtype)  # [L, 2, T, K, Dh] of the tiny preset
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_checksum_catches_a_flipped_bit_and_a_swap(dtype):
+    kv = kv_of(dtype)
+    sent = DeviceKV.of(kv)
+    sent.verify(4, 2, 16, dtype)
+    flipped = kv.clone()
+    flipped.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).view(-1)[1234] ^= 1
+    with pytest.raises(KVTransferError, match="KV checksum mismatch"):
+        DeviceKV(flipped, sent.checksum).verify(4, 2, 16, dtype)
+    swapped = kv.clone().view(-1)
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert int(device_checksum(swapped.view(kv.shape))) != int(sent.checksum)
+
+
+def test_checksum_spans_chunks(monkeypatch):
+    kv = kv_of(torch.float32)
+    whole = int(device_checksum(kv))
+    monkeypatch.setattr("services.device_kv._CHUNK", 1000)  # 37,888 elements in 38 chunks
+    assert int(device_checksum(kv)) == whole
+
+
+def test_layout_mismatch_is_named():
+    with pytest.raises(KVTransferError, match=r"KV of shape \(4, 2, 37, 2, 16\) torch.bfloat16 does not fit a pool of "
+                                              r"4 layers, 4 kv heads of 16, torch.bfloat16"):
+        DeviceKV.of(kv_of(torch.bfloat16)).verify(4, 4, 16, torch.bfloat16)
+
+
+def test_copy_into_writes_the_slots():
+    kv = kv_of(torch.float32, num_tokens=3)
+    pool = torch.zeros(4, 2, 10, 2, 16)
+    DeviceKV.of(kv).copy_into(pool, torch.tensor([7, 2, 5]))
+    assert torch.equal(pool[:, :, [7, 2, 5]], kv) and int(pool[:, :, [0, 1, 3, 4, 6, 8, 9]].count_nonzero()) == 0
+
+
+def test_stage_hands_each_kv_out_once_within_its_lease():
+    now = [100.0]
+    stage = KVStage(lease_s=5.0, clock=lambda: now[0])
+    stage.put("a", DeviceKV.of(kv_of(torch.float32, 2)))
+    stage.put("b", DeviceKV.of(kv_of(torch.float32, 3)))
+    assert stage.take("a").num_tokens == 2 and len(stage) == 1
+    with pytest.raises(KVTransferError, match="no staged KV for request 'a'"):
+        stage.take("a")
+    now[0] = 105.0
+    assert stage.expire() == ["b"] and len(stage) == 0
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class Producer:
+    """Stands in for a prefill worker: an async actor that stages KV and hands it out over RDT."""
+
+    def __init__(self) -> None:
+        self.stage = KVStage()
+
+    async def export(self, request_id: str, seed: int) -> int:
+        kv = DeviceKV.of(kv_of(torch.bfloat16, seed=seed))
+        self.stage.put(request_id, kv)
+        return int(kv.checksum)
+
+    @ray.method(tensor_transport="gloo")
+    def take(self, request_id: str, corrupt: bool = False) -> DeviceKV:
+        kv = self.stage.take(request_id)
+        if corrupt:  # after the checksum: what a bad transfer would deliver
+            kv.kv.view(torch.int16).view(-1)[0] ^= 1
+        return kv
+
+    async def num_staged(self) -> int:
+        return len(self.stage)
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class Consumer:
+    """Stands in for a decode worker: verifies what arrives and writes it into its pool."""
+
+    def __init__(self) -> None:
+        self.pool = torch.zeros(4, 2, 64, 2, 16, dtype=torch.bfloat16)
+
+    async def admit(self, kv: DeviceKV) -> tuple[int, int, bool]:
+        kv.verify(4, 2, 16, torch.bfloat16)
+        kv.copy_into(self.pool, torch.arange(kv.num_tokens))
+        return kv.num_tokens, int(kv.checksum), torch.equal(self.pool[:, :, : kv.num_tokens], kv.kv)
+
+
+@pytest.fixture(scope="module")
+def actors():
+    here = str(Path(__file__).parent)  # the actors' classes are this module's: the workers import it
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", namespace="pdserve-device-kv-test",
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}})
+    try:
+        producer, consumer = Producer.remote(), Consumer.remote()
+        create_collective_group([producer, consumer], backend="torch_gloo")
+        yield producer, consumer
+    finally:
+        ray.shutdown()
+
+
+def test_kv_moves_over_rdt_gloo_and_verifies(actors):
+    producer, consumer = actors
+    sent = ray.get(producer.export.remote("r1", 3))
+    ref = producer.take.remote("r1")
+    num_tokens, checksum, landed = ray.get(consumer.admit.remote(ref), timeout=60)
+    assert (num_tokens, checksum, landed) == (37, sent, True)
+    assert ray.get(producer.num_staged.remote()) == 0  # the stage let go once it was taken
+    with pytest.raises(ValueError, match="two-sided transport"):  # it is an RDT object, not in the store
+        ray.get(ref, timeout=60)
+
+
+def test_corrupt_rdt_kv_fails_its_check(actors):
+    producer, consumer = actors
+    ray.get(producer.export.remote("r2", 4))
+    with pytest.raises(KVTransferError, match="KV checksum mismatch"):
+        ray.get(consumer.admit.remote(producer.take.remote("r2", corrupt=True)), timeout=60)
+    with pytest.raises(KVTransferError, match="no staged KV for request 'r2'"):  # taken once only
+        ray.get(consumer.admit.remote(producer.take.remote("r2")), timeout=60)
