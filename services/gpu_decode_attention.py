@@ -56,7 +56,8 @@ def flex_kernel(compile_: bool) -> DecodeKernel | None:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
     except ImportError:
         return None
-    attend = torch.compile(flex_attention, dynamic=False) if compile_ else flex_attention
+    # dynamic: one compiled kernel for every batch size and pool (a graph bucket each would recompile)
+    attend = torch.compile(flex_attention, dynamic=True) if compile_ else flex_attention
     return partial(_flex_decode, attend, BlockMask)
 
 
@@ -86,25 +87,26 @@ def _flex_decode(attend: Callable, block_mask_type: type, q: torch.Tensor, kv_ca
     return out.squeeze(2)
 
 
-def candidates(block_size: int, device: torch.device, import_module: Callable = importlib.import_module
-               ) -> dict[str, DecodeKernel]:
-    """Every decode kernel that loads here, the torch reference last."""
+def candidates(block_size: int, device: torch.device, import_module: Callable = importlib.import_module,
+               mode: str = "auto") -> dict[str, DecodeKernel]:
+    """Every decode kernel that loads here, the torch reference last. Mode "native" (the tests'
+    fixed choice, nothing compiled or timed): FlashAttention where installed, else torch."""
     found: dict[str, DecodeKernel] = {}
     flash = flash_kernel(block_size, import_module) if device.type == "cuda" else None
     if flash is not None:
         found["flash"] = flash
-    flex = flex_kernel(compile_=device.type == "cuda")
+    flex = flex_kernel(compile_=device.type == "cuda") if mode == "auto" else None
     if flex is not None:
         found["flex"] = flex
     found["torch"] = torch_decode_attention
-    return found
+    return dict(list(found.items())[:1]) if mode == "native" else found
 
 
 def choose(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, block_size: int,
-           found: dict[str, DecodeKernel] | None = None) -> tuple[str, DecodeKernel]:
+           found: dict[str, DecodeKernel] | None = None, mode: str = "auto") -> tuple[str, DecodeKernel]:
     """The fastest candidate that computes what the reference does on a scattered test batch
     (shape: query heads, kv heads, head dim); the torch reference when no other one qualifies."""
-    found = candidates(block_size, device) if found is None else found
+    found = candidates(block_size, device, mode=mode) if found is None else found
     heads, kv_heads, head_dim = shape
     num_seqs, context = 8, 40 * block_size - 3  # a partial last block
     num_blocks = num_seqs * (context // block_size + 1) + 4

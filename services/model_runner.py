@@ -46,7 +46,7 @@ class ModelRunner:
         if device.type == "cuda" and kernels != "torch":
             shape = (self.model.num_heads, self.model.num_kv_heads, config.head_dim)
             self.gpu_decode_attention, self.model.decode_kernel = gpu_decode_attention.choose(
-                shape, dtype, device, block_size)
+                shape, dtype, device, block_size, mode=kernels)
         # The pool: [L, 2, num_blocks + 1, block_size, K, Dh] (K: this rank's kv heads); kernels address
         # it by flat slot. The extra last block belongs to no sequence: a padded decode graph's dummy
         # rows write their KV there (services/cuda_graph_runner.py).

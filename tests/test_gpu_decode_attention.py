@@ -28,6 +28,13 @@ def test_no_flash_attention_installed_means_no_flash_candidate():
     assert gpu.flash_kernel(16, missing) is None
     assert list(gpu.candidates(16, torch.device("cuda"), missing)) == ["flex", "torch"]
     assert list(gpu.candidates(16, torch.device("cpu"), missing)) == ["flex", "torch"]  # flash is CUDA only
+    assert list(gpu.candidates(16, torch.device("cuda"), missing, mode="native")) == ["torch"]  # nothing compiled
+
+
+def test_native_mode_takes_flash_where_installed_and_nothing_else():
+    fa3 = only(flash_attn_interface=lambda q, *a, **k: q)
+    assert list(gpu.candidates(16, torch.device("cuda"), fa3, mode="native")) == ["flash"]
+    assert list(gpu.candidates(16, torch.device("cuda"), fa3)) == ["flash", "flex", "torch"]
 
 
 def test_fa2_pages_need_a_block_size_multiple_of_256_fa3_any():
