@@ -14,6 +14,7 @@ Legend: B sequences, H query heads, K kv heads, Dh head dim, S pool slots, NB po
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import time
@@ -50,6 +51,7 @@ def _flash_decode(fn: Callable, table_arg: str, q: torch.Tensor, kv_cache: torch
     return out.squeeze(1)  # [B, 1, H, Dh] -> [B, H, Dh]
 
 
+@functools.cache  # one compiled kernel per process: every engine and graph bucket shares it
 def flex_kernel(compile_: bool) -> DecodeKernel | None:
     """FlexAttention's paged decode (compiled on CUDA; eager on CPU, for tests)."""
     try:
