@@ -14,6 +14,7 @@ rows are this rank's vocab slice (looked up, summed), and the logits are gathere
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +95,7 @@ class LlamaModel:
 
         def placed(weight: torch.Tensor | QuantizedWeight, moved: torch.Tensor) -> torch.Tensor | QuantizedWeight:
             if isinstance(weight, Int8Weight):
-                return Int8Weight(moved, weight.scale)
+                return dataclasses.replace(weight, qweight=moved)
             return weight.with_packed(moved) if isinstance(weight, Int4Weight) else moved
 
         arena = HugePageArena.create(sum(HugePageArena.size_of(data(getattr(o, n))) for o, n in owners))

@@ -2,11 +2,14 @@
 
 Decode reads every weight once per step, so its speed is the bytes it reads; int8 halves bf16's,
 int4 (services/int4_weight.py) takes 0.625 bytes a weight. Activations, the KV cache and the KV
-hand-off stay in the compute dtype: only the weights change.
+hand-off stay in the compute dtype: only the weights change. Except in "w8a8": the same int8 weights,
+whose products may also round each activation row to int8 (dynamic, symmetric) where one int8 x int8
+product is faster (VNNI/AMX: many-row products, i.e. prefill and batched decode, are compute-bound).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,15 +24,16 @@ class Int8Weight:
 
     qweight: torch.Tensor  # [N, K] int8, values in [-127, 127]
     scale: torch.Tensor  # [N] float32
+    dynamic_activations: bool = False  # "w8a8": products may quantize x per row too
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+    def quantize(cls, weight: torch.Tensor, dynamic_activations: bool = False) -> Int8Weight:
         # weight: [N, K]; each row's largest magnitude maps to 127 (an all-zero row keeps scale 1)
         w = weight.float()
         amax = w.abs().amax(dim=1)
         scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
         qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(qweight.contiguous(), scale.contiguous())
+        return cls(qweight.contiguous(), scale.contiguous(), dynamic_activations)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.qweight.float() * self.scale[:, None]).to(dtype)  # [N, K]
@@ -47,7 +51,7 @@ class Int8Weight:
         return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
 
     def to(self, device: torch.device) -> Int8Weight:
-        return Int8Weight(self.qweight.to(device), self.scale.to(device))
+        return dataclasses.replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device))
 
 
 QuantizedWeight = Int8Weight | Int4Weight
@@ -57,8 +61,8 @@ def quantize(weight: torch.Tensor, quantization: str | None) -> torch.Tensor | Q
     """`weight` in the named format (None: unchanged)."""
     if quantization is None:
         return weight
-    if quantization == "int8":
-        return Int8Weight.quantize(weight)
+    if quantization in ("int8", "w8a8"):
+        return Int8Weight.quantize(weight, dynamic_activations=quantization == "w8a8")
     if quantization == "int4":
         return Int4Weight.quantize(weight)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")

@@ -29,6 +29,7 @@ def test_error_is_at_most_half_a_step_per_row():
 def test_quantize_names_the_formats():
     w = torch.ones(2, 2)
     assert quantize(w, None) is w
-    assert isinstance(quantize(w, "int8"), Int8Weight)
-    with pytest.raises(ValueError, match="quantization must be one of int8, int4 or None, got 'int3'"):
+    assert isinstance(quantize(w, "int8"), Int8Weight) and not quantize(w, "int8").dynamic_activations
+    assert quantize(w, "w8a8").dynamic_activations
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8 or None, got 'int3'"):
         quantize(w, "int3")

@@ -42,8 +42,9 @@ def bucket_of(rows: int) -> int:
 
 
 def weight_key(weight: torch.Tensor | Int8Weight | Int4Weight) -> tuple:
-    fmt = ("int8" if isinstance(weight, Int8Weight) else "int4" if isinstance(weight, Int4Weight)
-           else str(weight.dtype).removeprefix("torch."))
+    if isinstance(weight, Int8Weight):
+        return (*weight.shape, "w8a8" if weight.dynamic_activations else "int8")
+    fmt = "int4" if isinstance(weight, Int4Weight) else str(weight.dtype).removeprefix("torch.")
     return (*weight.shape, fmt)
 
 

@@ -36,6 +36,15 @@ def _int8_dequant_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor
     return y if bias is None else y.add_(bias)
 
 
+def _int8_dynamic_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    # w8a8: each row of x rounded to int8 with its own scale (largest magnitude -> 127), then one
+    # int8 x int8 -> int32 product (exact; oneDNN's VNNI/AMX kernels), then both scales applied
+    x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-30).div_(127.0)  # [M, 1]
+    xq = (x.float() / x_scale).round_().to(torch.int8)  # [M, K] (x itself is left as it was)
+    y = (torch._int_mm(xq, weight.qweight.t()) * x_scale).mul_(weight.scale).to(x.dtype)  # [M, N]
+    return y if bias is None else y.add_(bias)
+
+
 def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     y = torch._weight_int8pack_mm(x, weight.qweight, weight.scale.to(x.dtype))
     return y if bias is None else y + bias
@@ -92,7 +101,7 @@ def _native_int4(kernel: Callable) -> LinearFn:
 
 def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None
                ) -> dict[str, LinearFn]:
-    """The kernels that can run a weight of `weight_format` ("int8", "int4", else a dense dtype) and
+    """The kernels that can run a weight of `weight_format` ("int8", "w8a8", "int4", else a dense dtype) and
     `in_features` columns for batches of up to `max_rows` rows, on the CPU or not."""
     if weight_format == "int4":
         found = {"dequant.linear": _int4_dequant_linear(native)}
@@ -103,13 +112,15 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
             if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
                 found["native.tiled"] = _native_int4(native.int4_tiled_linear)
         return found
-    if weight_format == "int8":
+    if weight_format in ("int8", "w8a8"):
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear}
         # torch's weight-only kernel is made for few rows; beyond 64 (prefill) the product is
         # compute-bound and one dequantized dense product wins. It crashes (SIGSEGV, torch 2.13) on
         # widths that are not a multiple of 16.
         if on_cpu and in_features % 32 == 0 and max_rows <= 64:
             found["torch.int8pack"] = _int8_pack_mm
+        if weight_format == "w8a8" and on_cpu:
+            found["int8.dynamic"] = _int8_dynamic_mm
     else:
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:
