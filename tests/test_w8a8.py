@@ -30,6 +30,7 @@ def test_the_dynamic_product_is_its_definition():
     weight = quantize(torch.randn(40, 96, generator=g), "w8a8")
     assert isinstance(weight, Int8Weight) and weight.dynamic_activations and weight_key(weight) == (40, 96, "w8a8")
     product = candidates("w8a8", True, 96, 1 << 62, None)["int8.dynamic"]
+    results = []
     for rows, dtype in ((1, torch.float32), (70, torch.float32), (33, torch.bfloat16)):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         x[0] = 0  # an all-zero row stays zero
@@ -45,6 +46,8 @@ def test_the_dynamic_product_is_its_definition():
         # bf16: the product and the bias sum are each rounded to 8 bits (outputs reach ~12: ulp 0.0625)
         rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 0.07)
         torch.testing.assert_close(got.double(), (want + bias.double()), rtol=rtol, atol=atol)
+        results.append((got, got.clone()))
+    assert all(torch.equal(got, kept) for got, kept in results)  # no result lives in the reused buffers
 
 
 def test_int8_weights_never_get_the_dynamic_kernel():

@@ -1,5 +1,6 @@
-"""One reused buffer per thread for a quantized weight dequantized to the compute dtype, so a
-prefill product (many rows: compute-bound, one dense product wins) does not allocate it each call.
+"""One reused buffer per thread and dtype for the large temporaries of a quantized product: a weight
+dequantized to the compute dtype (prefill: many rows, compute-bound, one dense product wins), the
+int32 and float32 products of w8a8, so no call allocates them anew.
 
 Why: a dequantized 1b `gate_up` is 64 MB, above glibc's largest mmap threshold (32 MB), so a fresh
 tensor per call is a fresh mapping whose pages fault in on first touch: measured on a Zen 4 host,
@@ -22,12 +23,18 @@ class DequantBuffer(threading.local):
         self.data: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def holding(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`like` converted to `dtype`, in this thread's buffer: valid until its next call."""
-        key = (dtype, like.device)
-        data = self.data.get(key)
-        if data is None or data.numel() < like.numel():
-            data = self.data[key] = torch.empty(like.numel(), dtype=dtype, device=like.device)
-        return data[: like.numel()].view(like.shape).copy_(like)
+        """`like` converted to `dtype`, in this thread's buffer: valid until its next use."""
+        return self.scratch(like.shape, dtype, like.device).copy_(like)
+
+    def scratch(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor of `shape` in this thread's buffer for `dtype`: valid until its next use."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        data = self.data.get((dtype, device))
+        if data is None or data.numel() < numel:
+            data = self.data[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+        return data[:numel].view(shape)
 
 
 DEQUANT_BUFFER = DequantBuffer()

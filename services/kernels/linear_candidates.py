@@ -41,7 +41,10 @@ def _int8_dynamic_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | N
     # int8 x int8 -> int32 product (exact; oneDNN's VNNI/AMX kernels), then both scales applied
     x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-30).div_(127.0)  # [M, 1]
     xq = (x.float() / x_scale).round_().to(torch.int8)  # [M, K] (x itself is left as it was)
-    y = (torch._int_mm(xq, weight.qweight.t()) * x_scale).mul_(weight.scale).to(x.dtype)  # [M, N]
+    shape = (x.shape[0], weight.qweight.shape[0])
+    products = torch._int_mm(xq, weight.qweight.t(), out=DEQUANT_BUFFER.scratch(shape, torch.int32, x.device))
+    y = torch.mul(products, x_scale, out=DEQUANT_BUFFER.scratch(shape, torch.float32, x.device)).mul_(weight.scale)
+    y = y.to(x.dtype, copy=True)  # [M, N], out of the buffer (a float32 y would otherwise be it)
     return y if bias is None else y.add_(bias)
 
 
