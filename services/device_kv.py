@@ -17,17 +17,28 @@ import torch
 from services.errors import KVTransferError
 
 _BITS = {2: torch.int16, 4: torch.int32}  # element size -> the integer type of its bit pattern
-_CHUNK = 1 << 22  # elements summed at a time (bounds the int64 temporary to 32 MiB)
+_CHUNK = 1 << 22  # elements weighed at a time (bounds the temporaries)
+_weights: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _chunk_weights(device: torch.device, n: int) -> torch.Tensor:
+    """w[i] = 2 * (i mod 65521) + 1 (odd) as int32, made once per device and chunk size."""
+    key = (str(device), n)
+    if key not in _weights:
+        _weights[key] = (torch.arange(n, device=device) % 65521 * 2 + 1).to(torch.int32)
+    return _weights[key]
 
 
 def device_checksum(kv: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 tensor on kv's device (no host sync): sum of bits[i] * (2 * (i mod 65521) + 1)."""
+    """A 0-d int64 tensor on kv's device (no host sync): sum over chunks k of (2k + 1) times the sum of
+    bits[i] * w[i] (int32 products, wrapping). Every weight is odd, so one changed element always
+    changes the sum; elements swapped within or across chunks change it too (unequal weights)."""
     bits = kv.contiguous().view(_BITS[kv.element_size()]).reshape(-1)
+    weights = _chunk_weights(kv.device, min(_CHUNK, bits.numel()))
     total = torch.zeros((), dtype=torch.int64, device=kv.device)
-    for start in range(0, bits.numel(), _CHUNK):
-        chunk = bits[start : start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), device=kv.device) % 65521 * 2 + 1
-        total += (chunk * weights).sum()
+    for k, start in enumerate(range(0, bits.numel(), _CHUNK)):
+        chunk = bits[start : start + _CHUNK].to(torch.int32)
+        total += (chunk * weights[: chunk.numel()]).sum(dtype=torch.int64) * (2 * k + 1)
     return total
 
 

@@ -35,10 +35,16 @@ def test_checksum_catches_a_flipped_bit_and_a_swap(dtype):
 
 
 def test_checksum_spans_chunks(monkeypatch):
+    monkeypatch.setattr("services.device_kv._CHUNK", 1000)  # 9,472 elements in 10 chunks
     kv = kv_of(torch.float32)
-    whole = int(device_checksum(kv))
-    monkeypatch.setattr("services.device_kv._CHUNK", 1000)  # 37,888 elements in 38 chunks
-    assert int(device_checksum(kv)) == whole
+    sent = device_checksum(kv)
+    for index in (999, 1000, 9_471):  # either side of a chunk's edge, and the short last chunk
+        changed = kv.clone()
+        changed.view(torch.int32).view(-1)[index] ^= 1 << 31  # the sign bit
+        assert int(device_checksum(changed)) != int(sent)
+    moved = kv.clone().view(-1)
+    moved[[5, 1005]] = moved[[1005, 5]]  # the same offset in two chunks, swapped
+    assert int(device_checksum(moved.view(kv.shape))) != int(sent)
 
 
 def test_layout_mismatch_is_named():
