@@ -76,8 +76,8 @@ def main() -> None:
             results.append({"mode": name, "batch": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
                             "engine_start_s": starts[name], "tokens_equal": same})
     print(format_table(["mode", "batch", "step ms", "tokens/s", "engine start s", "same tokens"], rows))
-    attention = engines["graphs"].runner.gpu_decode_attention
-    print(f"decode attention: {attention}; graphs: {sorted(engines['graphs'].runner.decode_graphs.graphs)}")
+    attention, graphs = engines["graphs"].runner.gpu_decode_attention, engines["graphs"].runner.decode_graphs
+    print(f"decode attention: {attention}; graphs: {sorted(graphs.graphs) if graphs else 'none: capture failed'}")
     print(write_results("decode_graphs", {"environment": environment(), "gpu": torch.cuda.get_device_name(),
                                           "preset": args.preset, "decode_attention": attention,
                                           "args": vars(args), "results": results}))

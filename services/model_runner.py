@@ -5,6 +5,7 @@ Also the KV hand-off: export a sequence's KV as one contiguous array, import one
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ from services.step_plan import KVExport, KVImport, StepPlan
 
 if TYPE_CHECKING:
     from services.tensor_parallel_runner import TensorParallel
+
+log = logging.getLogger(__name__)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -63,16 +66,22 @@ class ModelRunner:
             self.cost = parallel.group_cost(self.cost)
         self.phase_totals = PhaseTotals()  # work and busy time per phase, for the efficiency gauges
 
-    def enable_decode_graphs(self, max_batch_size: int, max_seq_len: int, capture: Capture | None = None) -> None:
+    def enable_decode_graphs(self, max_batch_size: int, max_seq_len: int, capture: Capture | None = None) -> bool:
         """Run decode steps of up to `max_batch_size` sequences, each of at most `max_seq_len` tokens,
-        from graphs, all captured now. `capture` defaults to CUDA graphs; tests pass one that runs
-        the padded forward eagerly."""
+        from graphs, all captured now; False (and every step eager, with a warning) if a capture
+        fails. `capture` defaults to CUDA graphs; tests pass one that runs the padded forward eagerly."""
         if self.parallel is not None:
             raise ValueError("decode graphs are not supported in a tensor-parallel group (its collectives run eagerly)")
         width = -(-min(self.max_model_len, max_seq_len) // self.block_size)
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_slots, self.block_size, width, self.scratch_block,
-                                          max_batch_size, capture or capture_cuda_graph)
-        self.decode_graphs.capture_all()
+        graphs = DecodeGraphs(self.model, self.kv_slots, self.block_size, width, self.scratch_block,
+                              max_batch_size, capture or capture_cuda_graph)
+        try:
+            graphs.capture_all()
+        except Exception as error:  # e.g. a kernel that cannot be captured: serve eagerly rather than not at all
+            log.warning("decode graph capture failed, decode steps run eagerly: %s: %s", type(error).__name__, error)
+            return False
+        self.decode_graphs = graphs
+        return True
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -136,6 +136,16 @@ def test_contexts_longer_than_the_graphs_run_eagerly(tiny_path, eager_reference)
     assert capture.replays == 2
 
 
+def test_a_failed_capture_leaves_every_step_eager(tiny_path, eager_reference, caplog):
+    def refuse(forward, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    engine = Engine(model=tiny_path, max_num_seqs=4)
+    assert engine.runner.enable_decode_graphs(4, 64, refuse) is False
+    assert engine.runner.decode_graphs is None
+    assert "decode graph capture failed, decode steps run eagerly: RuntimeError" in caplog.text
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == eager_reference
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_check.sh)")
 def test_cuda_graphs_give_the_eager_tokens_on_the_gpu(tiny_path):
     eager = Engine(model=tiny_path, device="cuda", dtype="float32", enforce_eager=True, max_num_seqs=8)
