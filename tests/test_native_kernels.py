@@ -69,11 +69,7 @@ def decode_case(dtype, num_seqs=3, heads=6, kv_heads=2, head_dim=24, block_size=
     max_blocks = max(-(-n // block_size) for n in context_lens)
     tables = order[: num_seqs * max_blocks].view(num_seqs, max_blocks).contiguous()
     q = torch.randn(num_seqs, heads, head_dim, generator=g).to(dtype)
-    lens = torch.tensor(context_lens)
-    mask = (torch.arange(max(context_lens))[None, :] < lens[:, None])[:, None, None, :]
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), [1] * num_seqs, list(context_lens), tables,
-                             block_size, mask, lens)
-    return q, cache, meta
+    return q, cache, AttentionMetadata.for_decode(list(context_lens), tables, block_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -167,10 +167,7 @@ def _fastest_attention(fns: dict[str, DecodeKernel], shape: tuple[int, int, int]
     cache = torch.randn(2, num_seqs * context, kv_heads, head_dim).to(dtype)
     q = torch.randn(num_seqs, heads, head_dim).to(dtype)
     tables = torch.randperm(num_seqs * context // block_size).view(num_seqs, -1)
-    lens = [context] * num_seqs
-    mask = torch.ones(num_seqs, 1, 1, context, dtype=torch.bool)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), [1] * num_seqs, lens, tables, block_size, mask,
-                             torch.tensor(lens))
+    meta = AttentionMetadata.for_decode([context] * num_seqs, tables, block_size)
     return _fastest({n: partial(f, q, cache, meta, head_dim**-0.5) for n, f in fns.items()},
                     torch.device("cpu"), num_seqs)
 
