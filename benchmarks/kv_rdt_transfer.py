@@ -70,7 +70,7 @@ class Consumer:
         if isinstance(kv, list):  # a borrowed one-sided reference: fetched here
             kv = ray.get(kv[0])
         fetched = time.perf_counter()
-        kv.verify(self.pool.shape[0], self.pool.shape[3], self.pool.shape[4], torch.bfloat16)
+        kv.verify(self.pool.shape[0], self.pool.shape[3], self.pool.shape[4], "bfloat16")
         verified = time.perf_counter()
         kv.copy_into(self.pool, self.slots)
         self._sync()

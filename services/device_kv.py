@@ -62,12 +62,17 @@ class DeviceKV:
     def num_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def verify(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        """Raise KVTransferError unless the layout fits the receiving pool and the checksum holds."""
+    def check_layout(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> None:
+        """Raise KVTransferError unless it fits the receiving pool (KVPayload's contract: dtype by name)."""
         layers, two, _, heads, dim = self.kv.shape
-        if (layers, two, heads, dim, self.kv.dtype) != (num_layers, 2, num_kv_heads, head_dim, dtype):
-            raise KVTransferError(f"KV of shape {tuple(self.kv.shape)} {self.kv.dtype} does not fit a pool of "
+        own = str(self.kv.dtype).removeprefix("torch.")
+        if (layers, two, heads, dim, own) != (num_layers, 2, num_kv_heads, head_dim, dtype):
+            raise KVTransferError(f"KV of shape {tuple(self.kv.shape)} {own} does not fit a pool of "
                                   f"{num_layers} layers, {num_kv_heads} kv heads of {head_dim}, {dtype}")
+
+    def verify(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> None:
+        """Raise KVTransferError unless the layout fits and the checksum holds."""
+        self.check_layout(num_layers, num_kv_heads, head_dim, dtype)
         got, sent = int(device_checksum(self.kv)), int(self.checksum)
         if got != sent:
             raise KVTransferError(f"KV checksum mismatch: sent {sent:#x}, received {got:#x}")

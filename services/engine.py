@@ -15,6 +15,7 @@ import torch
 
 from services.block_manager import BlockManager
 from services.checkpoint import load_weights
+from services.device_kv import DeviceKV
 from services.engine_config import EngineConfig
 from services.kv_payload import KVPayload
 from services.model_config import ModelConfig
@@ -100,7 +101,7 @@ class Engine:
         return token_ids  # the sequence holds its own list, which grows with the output
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first: SampledToken,
-                      params: SamplingParams, kv: KVPayload, kv_check: Future | None = None) -> None:
+                      params: SamplingParams, kv: KVPayload | DeviceKV, kv_check: Future | None = None) -> None:
         """Queue a request whose prompt was prefilled elsewhere: `kv` holds the prompt's KV and
         `first` the token sampled from it. It joins the running batch once blocks are free.
 
@@ -123,7 +124,7 @@ class Engine:
         seq.kv_check = kv_check
         self.scheduler.add(seq)
 
-    def verify_kv(self, kv: KVPayload) -> None:
+    def verify_kv(self, kv: KVPayload | DeviceKV) -> None:
         """Raise KVTransferError unless `kv` fits this engine's pool and its checksum holds.
         Reads only configuration, so it may run on any thread."""
         c = self.model_config

@@ -16,6 +16,7 @@ import torch
 from services import gpu_decode_attention
 from services.attention import AttentionMetadata
 from services.cuda_graph_runner import Capture, DecodeGraphs, capture_cuda_graph
+from services.device_kv import DeviceKV
 from services.kv_payload import KVPayload
 from services.model import LlamaModel
 from services.model_config import ModelConfig
@@ -61,6 +62,8 @@ class ModelRunner:
                                            num_kv_heads, config.head_dim)  # [L, 2, S, K, Dh]
         self.max_model_len = max_model_len
         self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs: decode steps from CUDA graphs
+        # Exported KV stays on this device as a DeviceKV (for Ray Direct Transport), not a host KVPayload
+        self.export_on_device = False
         self.cost = ModelCost.of(self.model, self.kv_bytes_per_token)
         if parallel is not None:  # this rank's share of the work, times the ranks: the group's
             self.cost = parallel.group_cost(self.cost)
@@ -191,14 +194,21 @@ class ModelRunner:
         """Copy `seq.kv_payload` (verified by `Engine.add_prefilled`) into the sequence's blocks."""
         self._import(KVImport(seq.block_table, seq.kv_payload.num_tokens, seq.kv_payload))
 
-    def _export(self, export: KVExport) -> KVPayload | None:
+    def _export(self, export: KVExport) -> KVPayload | DeviceKV | None:
         kv = self.kv_slots.index_select(2, self._slots(export.block_table, export.num_tokens))  # [L, 2, T, K, Dh]
         if self.parallel is not None:  # rank 0 collects the other ranks' heads; they return None
             return self.parallel.export_kv(kv, self.dtype)
+        if self.export_on_device:
+            return DeviceKV.of(kv)
         return KVPayload.from_array(to_wire(kv.cpu(), self.dtype), DTYPE_NAMES[self.dtype])
 
     def _import(self, kv_import: KVImport) -> None:
         slots = self._slots(kv_import.block_table, kv_import.num_tokens)
+        if isinstance(kv_import.payload, DeviceKV):  # one copy, device to device
+            if self.parallel is not None:
+                raise ValueError("KV on a device (Ray Direct Transport) cannot be imported by a tensor-parallel group")
+            kv_import.payload.copy_into(self.kv_slots, slots)
+            return
         if self.parallel is not None:  # rank 0 sends each rank its heads, re-sliced from the payload
             self.parallel.import_kv(kv_import.payload, kv_import.num_tokens, slots, self.kv_slots)
             return

@@ -12,7 +12,10 @@ import torch
 from ray.experimental.collective import create_collective_group
 
 from services.device_kv import DeviceKV, KVStage, device_checksum
+from services.engine import Engine
 from services.errors import KVTransferError
+from services.sampling_params import SamplingParams
+from services.scheduler import SampledToken
 
 
 def kv_of(dtype: torch.dtype, num_tokens: int = 37, seed: int = 0) -> torch.Tensor:
@@ -24,11 +27,11 @@ def kv_of(dtype: torch.dtype, num_tokens: int = 37, seed: int = 0) -> torch.Tens
 def test_checksum_catches_a_flipped_bit_and_a_swap(dtype):
     kv = kv_of(dtype)
     sent = DeviceKV.of(kv)
-    sent.verify(4, 2, 16, dtype)
+    sent.verify(4, 2, 16, str(dtype).removeprefix("torch."))
     flipped = kv.clone()
     flipped.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).view(-1)[1234] ^= 1
     with pytest.raises(KVTransferError, match="KV checksum mismatch"):
-        DeviceKV(flipped, sent.checksum).verify(4, 2, 16, dtype)
+        DeviceKV(flipped, sent.checksum).verify(4, 2, 16, str(dtype).removeprefix("torch."))
     swapped = kv.clone().view(-1)
     swapped[[10, 11]] = swapped[[11, 10]]
     assert int(device_checksum(swapped.view(kv.shape))) != int(sent.checksum)
@@ -48,9 +51,11 @@ def test_checksum_spans_chunks(monkeypatch):
 
 
 def test_layout_mismatch_is_named():
-    with pytest.raises(KVTransferError, match=r"KV of shape \(4, 2, 37, 2, 16\) torch.bfloat16 does not fit a pool of "
-                                              r"4 layers, 4 kv heads of 16, torch.bfloat16"):
-        DeviceKV.of(kv_of(torch.bfloat16)).verify(4, 4, 16, torch.bfloat16)
+    with pytest.raises(KVTransferError, match=r"KV of shape \(4, 2, 37, 2, 16\) bfloat16 does not fit a pool of "
+                                              r"4 layers, 4 kv heads of 16, bfloat16"):
+        DeviceKV.of(kv_of(torch.bfloat16)).verify(4, 4, 16, "bfloat16")
+    with pytest.raises(KVTransferError, match="bfloat16 does not fit a pool of 4 layers, 2 kv heads of 16, float32"):
+        DeviceKV.of(kv_of(torch.bfloat16)).check_layout(4, 2, 16, "float32")
 
 
 def test_copy_into_writes_the_slots():
@@ -70,6 +75,29 @@ def test_stage_hands_each_kv_out_once_within_its_lease():
         stage.take("a")
     now[0] = 105.0
     assert stage.expire() == ["b"] and len(stage) == 0
+
+
+def test_engine_handoff_on_the_device_continues_exactly(tiny_path):
+    """Prefill exports a DeviceKV (no host copy), a second engine imports it and decodes on: the same
+    tokens as one uninterrupted run; a corrupted one fails at admission, naming the checksum."""
+    prompt, params = list(range(5, 42)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    whole = Engine(model=tiny_path).generate([prompt], params)[0].token_ids
+    prefill = Engine(model=tiny_path)
+    prefill.runner.export_on_device = True
+    prefill.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), export_kv=True)
+    (out,) = prefill.step()
+    assert isinstance(out.kv, DeviceKV) and out.kv.num_tokens == len(prompt)
+    decode = Engine(model=tiny_path)
+    first = SampledToken(out.new_token_ids[0], None)
+    decode.add_prefilled("r", prompt, first, params, out.kv)
+    tokens = list(out.new_token_ids)
+    while decode.has_unfinished_requests:
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+    assert tokens == whole
+    with torch.inference_mode():  # the engine made it an inference tensor
+        out.kv.kv.view(-1)[3] += 1.0
+    with pytest.raises(KVTransferError, match="KV checksum mismatch"):
+        Engine(model=tiny_path).add_prefilled("r", prompt, first, params, out.kv)
 
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
@@ -103,7 +131,7 @@ class Consumer:
         self.pool = torch.zeros(4, 2, 64, 2, 16, dtype=torch.bfloat16)
 
     async def admit(self, kv: DeviceKV) -> tuple[int, int, bool]:
-        kv.verify(4, 2, 16, torch.bfloat16)
+        kv.verify(4, 2, 16, "bfloat16")
         kv.copy_into(self.pool, torch.arange(kv.num_tokens))
         return kv.num_tokens, int(kv.checksum), torch.equal(self.pool[:, :, : kv.num_tokens], kv.kv)
 
