@@ -117,11 +117,7 @@ def choose(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
     q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(device, dtype)
     width = context // block_size + 1
     tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * width].view(num_seqs, width).to(device)
-    lens = torch.tensor([context - 7 * i for i in range(num_seqs)], device=device)
-    t_max = int(lens.max())
-    mask = (torch.arange(t_max, device=device)[None, :] < lens[:, None])[:, None, None, :]
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64, device=device), [1] * num_seqs, lens.tolist(),
-                             tables, block_size, mask, lens)
+    meta = AttentionMetadata.for_decode([context - 7 * i for i in range(num_seqs)], tables, block_size)
     scale = head_dim**-0.5
     expected = torch_decode_attention(q, kv, meta, scale).float()
     timings = {}
