@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE_SERVICES = ["sequence", "block_manager", "scheduler", "protocol", "kv_payload", "sampling_params", "model_config",
                        "engine_config", "tokenizer", "detokenizer", "stop_checker", "text_stream", "request_output", "errors",
-                       "gguf_file", "gguf_tokenizer", "gguf_folder", "default_model"]  # the router resolves --model with them
+                       "gguf_file", "gguf_tokenizer", "gguf_folder", "default_model", "batch_buckets", "kv_transport_choice"]  # the router resolves --model with them
 
 
 def router_modules() -> list[str]:
