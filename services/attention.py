@@ -28,13 +28,17 @@ class AttentionMetadata:
     _decode_part: tuple[torch.Tensor, AttentionMetadata] | None = field(default=None, repr=False)
 
     @staticmethod
-    def for_decode(context_lens: list[int], block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
-        """A decode batch's metadata (one query per sequence; its k/v already in the pool)."""
+    def for_decode(context_lens: list[int], block_tables: torch.Tensor, block_size: int,
+                   slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+        """A decode batch's metadata: one query per sequence, written to `slot_mapping` (None: its
+        k/v are in the pool already)."""
         lens = torch.tensor(context_lens, dtype=torch.int64, device=block_tables.device)
         ctx = torch.arange(max(context_lens), device=block_tables.device)
         mask = (ctx[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, T_max]
-        slots = torch.empty(0, dtype=torch.int64, device=block_tables.device)
-        return AttentionMetadata(slots, [1] * len(context_lens), list(context_lens), block_tables, block_size, mask, lens)
+        if slot_mapping is None:
+            slot_mapping = torch.empty(0, dtype=torch.int64, device=block_tables.device)
+        return AttentionMetadata(slot_mapping, [1] * len(context_lens), list(context_lens), block_tables, block_size,
+                                 mask, lens)
 
     def decode_part(self) -> tuple[torch.Tensor, AttentionMetadata] | None:
         """In a mixed step (some sequences prefill, some decode): the flat rows of the sequences

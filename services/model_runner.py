@@ -172,14 +172,9 @@ class ModelRunner:
         block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in plan.block_tables])
         pos = self._tensor(plan.positions)
         slot_mapping = block_tables[self._tensor(plan.seq_index), pos // bs] * bs + pos % bs  # [N]
-        context_lens = plan.context_lens
-        decode_mask = lens = None
         if all(n == 1 for n in plan.num_new_tokens):
-            lens = self._tensor(context_lens)
-            ctx = torch.arange(max(context_lens), device=self.device)
-            decode_mask = (ctx[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, T_max]
-        return AttentionMetadata(slot_mapping, list(plan.num_new_tokens), context_lens, block_tables, bs,
-                                 decode_mask, lens)
+            return AttentionMetadata.for_decode(plan.context_lens, block_tables, bs, slot_mapping)
+        return AttentionMetadata(slot_mapping, list(plan.num_new_tokens), plan.context_lens, block_tables, bs, None)
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         pos = torch.arange(num_tokens, device=self.device)
