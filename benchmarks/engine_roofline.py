@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="serving dtypes to measure (default: both)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"],
                         help="weight formats to measure, each with every --dtype (default none)")
     parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
                         help="how the engine picks its kernels (default auto: measured on this host)")
