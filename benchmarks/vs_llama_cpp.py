@@ -30,6 +30,7 @@ from benchmarks.llama_gguf import write_gguf
 from benchmarks.model_folders import CACHE_DIR, describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
 from services import Engine, SamplingParams
+from services.engine_config import QUANTIZATIONS
 from services.kv_payload import KVPayload
 from services.model_config import ModelConfig
 from services.scheduler import SampledToken
@@ -145,7 +146,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--pdserve", nargs="*", default=["bfloat16", "int8", "int4"],
-                        help="pdserve modes: float32, bfloat16, int8 / int4 (bf16 compute, int8 / int4 weights)")
+                        choices=["float32", "bfloat16", *QUANTIZATIONS],
+                        help="pdserve modes: float32, bfloat16, int8 / int4 / w8a8 (bf16 compute; int8 / int4 "
+                             "weights; w8a8: int8 weights, int8 activations where faster)")
     parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0", "q4_0"], help="GGUF types: f16, q8_0, q4_0")
     parser.add_argument("--transformers", nargs="*", default=["bfloat16"], help="dtypes for transformers")
     parser.add_argument("--batch-steps", type=int, default=6, help="timed batch-32 decode steps per round")
@@ -156,7 +159,7 @@ def main() -> None:
     print(f"1b preset: {describe(config)}; {environment()['cpu']}, {args.threads} threads", flush=True)
     runners = {}
     for mode in args.pdserve:
-        dtype, quantization = ("bfloat16", mode) if mode in ("int8", "int4") else (mode, None)
+        dtype, quantization = ("bfloat16", mode) if mode in QUANTIZATIONS else (mode, None)
         runners[f"pdserve {mode}"] = PdserveRunner(folder, dtype, quantization)
     for qtype in args.llama_cpp:
         print(f"GGUF {qtype} ...", flush=True)
