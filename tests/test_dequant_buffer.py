@@ -53,3 +53,13 @@ def test_dequantizing_product_is_right_for_weights_of_every_shape_in_turn():
             assert (got - want).abs().max() <= 0.01 * want.abs().max()
         with_bias = fn(x, weights[1], bias).float()
         assert (with_bias - fn(x, weights[1], None).float() - bias.float()).abs().max() <= 0.02 * with_bias.abs().max()
+
+
+def test_a_buffer_made_under_inference_mode_is_not_reused_outside_it():
+    buffer, weight = DequantBuffer(), torch.ones(4, 4, dtype=torch.int8)
+    with torch.inference_mode():
+        inside = buffer.holding(weight, torch.bfloat16)
+    outside = buffer.holding(weight * 2, torch.bfloat16)  # writing into `inside` here would raise
+    assert not outside.is_inference() and outside.tolist() == (weight * 2).float().tolist()
+    with torch.inference_mode():
+        assert buffer.holding(weight, torch.bfloat16).data_ptr() == inside.data_ptr()

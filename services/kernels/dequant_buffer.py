@@ -20,7 +20,7 @@ class DequantBuffer(threading.local):
     """Per thread: the largest buffer asked for so far, per dtype and device."""
 
     def __init__(self) -> None:
-        self.data: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.data: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def holding(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`like` converted to `dtype`, in this thread's buffer: valid until its next use."""
@@ -31,9 +31,11 @@ class DequantBuffer(threading.local):
         numel = 1
         for size in shape:
             numel *= size
-        data = self.data.get((dtype, device))
+        # A buffer made under inference mode cannot be written outside it: one buffer for each
+        key = (dtype, device, torch.is_inference_mode_enabled())
+        data = self.data.get(key)
         if data is None or data.numel() < numel:
-            data = self.data[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+            data = self.data[key] = torch.empty(numel, dtype=dtype, device=device)
         return data[:numel].view(shape)
 
 
