@@ -17,13 +17,13 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from services.attention import AttentionMetadata, DecodeKernel, torch_decode_attention
+from services.hardware_peaks import best_seconds
 
 log = logging.getLogger(__name__)
 
@@ -131,20 +131,6 @@ def choose(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
             log.warning("decode attention %s differs from the reference by %.3g: not used", name,
                         float((got - expected).abs().max()))
             continue
-        timings[name] = _best_time(partial(kernel, q, kv, meta, scale), device)
+        timings[name] = best_seconds(partial(kernel, q, kv, meta, scale), device, repeats=5)
     name = min(timings, key=timings.get) if timings else "torch"
     return name, found.get(name, torch_decode_attention)
-
-
-def _best_time(fn: Callable[[], object], device: torch.device, rounds: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best

@@ -27,23 +27,28 @@ class HardwarePeaks:
         matmul_size = matmul_size or (8192 if device.type == "cuda" else 1024)
         a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
         b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
-        matmul = _best_seconds(lambda: F.linear(a, b), device, repeats=12)  # bf16 units need a warm-up
+        matmul = best_seconds(lambda: F.linear(a, b), device, repeats=12)  # bf16 units need a warm-up
         # A matrix-vector product streams memory faster than a sum on CPU; the buffer is larger than
         # any cache, so it measures DRAM (or HBM) reads.
         columns = 4096
         matrix = torch.ones(read_bytes // 4 // columns, columns, device=device)
         vector = torch.ones(1, columns, device=device)
-        read = _best_seconds(lambda: F.linear(vector, matrix), device, repeats=3)
+        read = best_seconds(lambda: F.linear(vector, matrix), device, repeats=3)
         native = load() if device.type == "cpu" else None
         if native is not None:  # where the native kernel streams faster, that is the ceiling
-            read = min(read, _best_seconds(lambda: native.skinny_linear(vector, matrix, None, None), device, repeats=3))
+            read = min(read, best_seconds(lambda: native.skinny_linear(vector, matrix, None, None), device, repeats=3))
         return cls(2 * matmul_size**3 / matmul, matrix.numel() * 4 / read)
 
 
-def _best_seconds(fn, device: torch.device, repeats: int) -> float:
-    best = float("inf")
+def best_seconds(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `fn` (after one untimed), the device synchronised
+    around each."""
     with torch.inference_mode():
+        fn()
+        best = float("inf")
         for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             fn()
             if device.type == "cuda":

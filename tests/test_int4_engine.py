@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import torch
 from test_engine_stories260k import prompts
-from test_kv_handoff import PROMPT, prefill
 from test_model_vs_transformers import engine_logits
 from test_quantized_engine import teacher_forced
 
-from services import Engine, SamplingParams
-from services.scheduler import SampledToken
+from services import Engine
 
 
 def test_int4_accuracy_on_the_trained_checkpoint(stories_path):
@@ -42,18 +40,3 @@ def test_a_decode_step_reads_the_packed_bytes(tiny_path):
     norms = (2 * c.num_layers + 1) * c.hidden_size
     assert int4.weight_bytes == matrices // 2 + 2 * 2 * matrices // 32 + head + 2 * norms  # nibbles, float16 scale + low
     assert int4.layer_matmul_params == bf16.layer_matmul_params  # the same FLOPs: only the bytes change
-
-
-def test_full_precision_prefill_hands_kv_to_an_int4_decode(tiny_path):
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    out = prefill(Engine(tiny_path, dtype="float32"), params)
-    decode = Engine(tiny_path, dtype="float32", quantization="int4")
-    decode.add_prefilled("r", PROMPT, SampledToken(out.new_token_ids[0], out.new_logprobs[0]), params, out.kv)
-    tokens = list(out.new_token_ids)
-    while decode.has_unfinished_requests:
-        for step in decode.step():
-            tokens += step.new_token_ids
-    assert len(tokens) == 12 and decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
-    # The first token is the full-precision model's; the int4 model continues from the same KV.
-    reference = Engine(tiny_path, dtype="float32").generate([PROMPT], SamplingParams(max_tokens=1, temperature=0))
-    assert tokens[0] == reference[0].token_ids[0]

@@ -3,6 +3,7 @@ model, half the bytes per decode step, and a full-precision prefill handing KV t
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_engine_stories260k import prompts
 from test_kv_handoff import PROMPT, prefill
@@ -65,10 +66,11 @@ def test_a_decode_step_reads_half_the_bytes(tiny_path):
     assert int8.layer_matmul_params == bf16.layer_matmul_params  # the same FLOPs: only the bytes change
 
 
-def test_full_precision_prefill_hands_kv_to_an_int8_decode(tiny_path):
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+def test_full_precision_prefill_hands_kv_to_a_quantized_decode(tiny_path, quantization):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     out = prefill(Engine(tiny_path, dtype="float32"), params)
-    decode = Engine(tiny_path, dtype="float32", quantization="int8")
+    decode = Engine(tiny_path, dtype="float32", quantization=quantization)
     assert out.kv.dtype == "float32"  # KV stays in the compute dtype
     decode.add_prefilled("r", PROMPT, SampledToken(out.new_token_ids[0], out.new_logprobs[0]), params, out.kv)
     tokens = list(out.new_token_ids)
@@ -76,6 +78,6 @@ def test_full_precision_prefill_hands_kv_to_an_int8_decode(tiny_path):
         for step in decode.step():
             tokens += step.new_token_ids
     assert len(tokens) == 12 and decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
-    # The first token is the full-precision model's; the int8 model continues from the same KV.
+    # The first token is the full-precision model's; the quantized model continues from the same KV.
     reference = Engine(tiny_path, dtype="float32").generate([PROMPT], SamplingParams(max_tokens=1, temperature=0))
     assert tokens[0] == reference[0].token_ids[0]

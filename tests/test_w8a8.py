@@ -4,15 +4,13 @@ symmetric) and multiply int8 by int8 — the kernel plan's `int8.dynamic` candid
 from __future__ import annotations
 
 import torch
-from test_kv_handoff import PROMPT, prefill
 from test_model_vs_transformers import engine_logits
 from test_quantized_engine import teacher_forced
 
-from services import Engine, SamplingParams
+from services import Engine
 from services.kernels.kernel_plan import KernelPlan, weight_key
 from services.kernels.linear_candidates import candidates
 from services.quantized_weight import Int8Weight, quantize
-from services.scheduler import SampledToken
 
 
 def forced_dynamic(engine: Engine) -> Engine:
@@ -68,7 +66,8 @@ def test_w8a8_accuracy_on_the_trained_checkpoint(stories_path):
     assert agree >= 0.75
 
 
-def test_w8a8_engine_generates_and_decodes_from_a_full_precision_prefill(tiny_path):
+def test_w8a8_rounds_the_activations_of_a_prefill_too(tiny_path):
+    """(Its decode after a full-precision prefill: test_quantized_engine.)"""
     int8 = Engine(tiny_path, dtype="float32", quantization="int8")
     engine = forced_dynamic(Engine(tiny_path, dtype="float32", quantization="w8a8"))
     prompt = [5, 6, 7, 8] * 20  # 80 rows: the prefill products
@@ -76,11 +75,3 @@ def test_w8a8_engine_generates_and_decodes_from_a_full_precision_prefill(tiny_pa
     assert not torch.equal(w8a8_logits, int8_logits)  # the activations were rounded too ...
     relative = float((w8a8_logits - int8_logits).norm() / int8_logits.norm())
     assert relative < 0.08, relative  # ... by little (measured 0.043)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    out = prefill(Engine(tiny_path, dtype="float32"), params)
-    engine.add_prefilled("r", PROMPT, SampledToken(out.new_token_ids[0], out.new_logprobs[0]), params, out.kv)
-    tokens = list(out.new_token_ids)
-    while engine.has_unfinished_requests:
-        for step in engine.step():
-            tokens += step.new_token_ids
-    assert len(tokens) == 12 and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
