@@ -23,11 +23,7 @@ _MISSING: Any = object()
 
 
 def positive_int(raw: dict, key: str, source: str, default: Any = _MISSING) -> int:
-    value = raw.get(key)
-    if value is None:
-        if default is _MISSING:
-            raise CheckpointError(f"{source}: required field {key!r} is missing")
-        value = default
+    value = _present(raw, key, source, default)
     # bool is an int subclass; JSON `true` is never a valid size
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CheckpointError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
@@ -35,14 +31,20 @@ def positive_int(raw: dict, key: str, source: str, default: Any = _MISSING) -> i
 
 
 def positive_float(raw: dict, key: str, source: str, default: Any = _MISSING) -> float:
-    value = raw.get(key)
-    if value is None:
-        if default is _MISSING:
-            raise CheckpointError(f"{source}: required field {key!r} is missing")
-        value = default
+    value = _present(raw, key, source, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise CheckpointError(f"{source}: field {key!r} must be a positive number, got {value!r}")
     return float(value)
+
+
+def _present(raw: dict, key: str, source: str, default: Any) -> Any:
+    """raw[key], or `default` where it is absent or null; absent without a default is an error."""
+    value = raw.get(key)
+    if value is not None:
+        return value
+    if default is _MISSING:
+        raise CheckpointError(f"{source}: required field {key!r} is missing")
+    return default
 
 
 def flag(raw: dict, key: str, source: str, default: bool) -> bool:
