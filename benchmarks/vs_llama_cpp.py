@@ -151,8 +151,10 @@ def main() -> None:
                         choices=["float32", "bfloat16", *QUANTIZATIONS],
                         help="pdserve modes: float32, bfloat16, int8 / int4 / w8a8 (bf16 compute; int8 / int4 "
                              "weights; w8a8: int8 weights, int8 activations where faster)")
-    parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0", "q4_0"], help="GGUF types: f16, q8_0, q4_0")
-    parser.add_argument("--transformers", nargs="*", default=["bfloat16"], help="dtypes for transformers")
+    parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0", "q4_0"], choices=["f16", "q8_0", "q4_0"],
+                        help="GGUF types (default all three; the flag alone: no llama.cpp)")
+    parser.add_argument("--transformers", nargs="*", default=["bfloat16"], choices=["bfloat16", "float32"],
+                        help="dtypes for transformers (default bfloat16; the flag alone: no transformers)")
     parser.add_argument("--batch-steps", type=int, default=6, help="timed batch-32 decode steps per round")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
