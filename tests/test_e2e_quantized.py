@@ -1,6 +1,7 @@
-"""Full-precision prefill workers and int8 decode workers on separate nodes (`--decode-quantization
-int8`): over HTTP, every answer is what the same two engines give when KV is handed over in-process,
-and each worker reports its own weight format."""
+"""w8a8 prefill workers and int8 decode workers on separate nodes (`--prefill-quantization w8a8
+--decode-quantization int8`: int8 activations where prefill is compute-bound, weight-only int8 where
+decode streams weights): over HTTP, every answer is what the same two engines give when KV is handed
+over in-process, and each worker reports its own weight format."""
 
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ from services.tokenizer import Tokenizer
 def server(tiny_path):
     with two_node_cluster() as _:
         spec = ClusterSpec(model=str(tiny_path), namespace="pd-int8", engine_options={"num_threads": 1},
-                           role_engine_options={"decode": {"quantization": "int8"}})
+                           role_engine_options={"prefill": {"quantization": "w8a8"}, "decode": {"quantization": "int8"}})
         with router_server(spec) as (url, actors, _):
             yield url, actors, str(tiny_path)
 
 
 def handed_over(model: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of a float32 prefill engine's first token and KV, decoded by an int8 engine."""
+    """Greedy tokens of a w8a8 prefill engine's first token and KV, decoded by an int8 engine."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    prefill = Engine(model)
+    prefill = Engine(model, quantization="w8a8")
     prefill.add_request("r", prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), export_kv=True)
     (out,) = prefill.step()
     decode = Engine(model, quantization="int8")
@@ -62,7 +63,8 @@ def test_answers_are_the_handed_over_engines(server):
 def test_each_worker_reports_its_format_and_kernels(server):
     _, actors, _ = server
     stats = {s.role: s for s in ray.get([a.stats.remote("test") for a in actors])}
-    assert stats["prefill"].quantization is None and stats["decode"].quantization == "int8"
+    assert stats["prefill"].quantization == "w8a8" and stats["decode"].quantization == "int8"
     for s in stats.values():
         assert "mode native" in s.kernels and "linear" in s.kernels
-    assert "int8" in stats["decode"].kernels and "int8" not in stats["prefill"].kernels
+    assert "int8" in stats["decode"].kernels and "int8.dynamic" not in stats["decode"].kernels
+    assert "int8.dynamic" in stats["prefill"].kernels

@@ -75,3 +75,13 @@ def test_w8a8_rounds_the_activations_of_a_prefill_too(tiny_path):
     assert not torch.equal(w8a8_logits, int8_logits)  # the activations were rounded too ...
     relative = float((w8a8_logits - int8_logits).norm() / int8_logits.norm())
     assert relative < 0.08, relative  # ... by little (measured 0.043)
+
+
+def test_native_mode_gives_w8a8_prefill_products_the_dynamic_kernel(tiny_path):
+    """kernels="native" (fixed kernels, nothing timed: what the tests and reproducible runs use) keeps
+    single rows on the native weight-only kernel and rounds the activations of many-row products."""
+    plan = Engine(tiny_path, dtype="float32", quantization="w8a8", kernels="native").runner.model.plan
+    for key, names in plan.linear_choices.items():
+        assert key[-1] == "w8a8"
+        assert names[0] == ("native" if plan.native is not None else "dequant.linear")
+        assert names[-1] == "int8.dynamic"  # 65+ rows

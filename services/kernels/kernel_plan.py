@@ -109,7 +109,9 @@ class KernelPlan:
             for b, rows in enumerate(PROBE_ROWS):
                 found = candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b], native)
                 if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
-                    name = "native" if "native" in found else next(iter(found))  # torch.linear / dequant.linear
+                    # the native kernel where it runs (few rows), else w8a8's own product, else the first
+                    # (torch.linear / dequant.linear)
+                    name = next((n for n in ("native", "int8.dynamic") if n in found), next(iter(found)))
                     found = {name: found[name]}
                 entry = f"linear {'x'.join(map(str, key[:-1]))} {key[-1]} rows {BUCKETS[b]} among {','.join(sorted(found))}"
                 name = cache.get(entry, found)
