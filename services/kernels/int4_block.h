@@ -127,4 +127,20 @@ inline Int4Args check(const torch::Tensor& packed, const torch::Tensor& scale, c
   return {packed, scale, low, N, Kp, Kp / kGroup};
 }
 
+// The checks of a product x [M, K] @ W^T, W's columns padded to Kp (K within its last block).
+inline Int4Args check_product(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                              const torch::Tensor& low) {
+  const Int4Args w = check(packed, scale, low);
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(1) <= w.Kp && x.size(1) > w.Kp - kBlock,
+              "x [M, K] expected with K within the weight's last 64-column block");
+  return w;
+}
+
+// x [M, K] widened to W's padded width: [M, Kp], zero past K.
+inline torch::Tensor padded_x(const torch::Tensor& x, int64_t Kp) {
+  torch::Tensor xp = torch::zeros({x.size(0), Kp}, x.options());
+  xp.narrow(1, 0, x.size(1)).copy_(x);
+  return xp;
+}
+
 }  // namespace int4

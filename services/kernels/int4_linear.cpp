@@ -99,9 +99,7 @@ void bf16_rows(const at::BFloat16* x, const float* xsum, int64_t Kp, const uint8
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, const c10::optional<torch::Tensor>& bias) {
-  const Int4Args w = check(packed, scale, low);
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(1) <= w.Kp && x.size(1) > w.Kp - kBlock,
-              "x [M, K] expected with K within the weight's last 64-column block");
+  const Int4Args w = check_product(x, packed, scale, low);
   const int64_t M = x.size(0), K = x.size(1), N = w.N, Kp = w.Kp, groups = w.groups;
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
@@ -110,8 +108,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   float* y = y32.data_ptr<float>();
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kBFloat16) {
-    torch::Tensor xp = torch::zeros({M, Kp}, x.options());  // [M, Kp], zero past K
-    xp.narrow(1, 0, K).copy_(x);
+    torch::Tensor xp = padded_x(x, Kp);  // [M, Kp]
     torch::Tensor xsum = xp.view({M, groups, kGroup}).to(at::kFloat).sum(2).contiguous();  // [M, Kp / G]
     std::vector<int64_t> order(kBlock);  // slot -> column: x in the order of the weights' bf16 words
     for (int e = 0; e < kBlock; ++e) {

@@ -52,14 +52,11 @@ void tile(const at::BFloat16* const* x, const at::BFloat16* const* w, int64_t Kp
 
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, const c10::optional<torch::Tensor>& bias) {
-  const Int4Args w = check(packed, scale, low);
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(1) <= w.Kp && x.size(1) > w.Kp - kBlock,
-              "x [M, K] expected with K within the weight's last 64-column block");
+  const Int4Args w = check_product(x, packed, scale, low);
   const int64_t M = x.size(0), K = x.size(1), N = w.N, Kp = w.Kp, groups = w.groups;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kBFloat16) {
-    torch::Tensor xp = torch::zeros({M, Kp}, x.options());  // [M, Kp], zero past K
-    xp.narrow(1, 0, K).copy_(x);
+    torch::Tensor xp = padded_x(x, Kp);  // [M, Kp]
     const at::BFloat16* xv = xp.data_ptr<at::BFloat16>();
     torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
     float* y = y32.data_ptr<float>();
