@@ -13,6 +13,7 @@ from services.kernels import kernel_plan
 from services.kernels.kernel_plan import BUCKETS, KernelPlan, bucket_of
 from services.kernels.linear_candidates import candidates
 from services.kernels.native import build_key, cpu_model, load
+from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.quantized_weight import Int8Weight
 
 
@@ -36,9 +37,11 @@ def test_every_candidate_computes_the_same_product(quantized, rows):
     reference = weight.dequantize(torch.float32) if quantized else dense.float()
     x = torch.randn(rows, 40, generator=g).bfloat16()
     bias = torch.randn(24, generator=g).bfloat16()
-    found = candidates("int8" if quantized else "bfloat16", True, 40, {1: 1, 5: 8, 40: 64, 70: 1 << 62}[rows], load())
+    found = candidates("int8" if quantized else "bfloat16", True, 40, {1: 1, 5: 8, 40: 64, 70: 1 << 62}[rows], load(),
+                       packed=True)
     assert ("native" in found) == ("native.4rows" in found) == (load() is not None and rows <= 64)
     assert ("torch.mv" in found) == (not quantized and rows == 1)
+    assert ("onednn.packed" in found) == (not quantized and ONEDNN_PACKS.supported(torch.bfloat16))
     assert "torch.int8pack" not in found  # 40 columns: torch's kernel would crash
     if quantized:
         assert "torch.int8pack" in candidates("int8", True, 64, 8, None)
@@ -61,8 +64,9 @@ def test_modes_and_the_cache(cache_dir, monkeypatch):
     torch_only = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "torch")
     assert torch_only.native is None and torch_only.attention_choice == "torch"
     assert set(torch_only.linear_choices) == {(32, 16, "float32"), (16, 32, "float32")}  # distinct shapes once
-    for names in torch_only.linear_choices.values():
-        assert names[0] in ("torch.linear", "torch.mv") and names[1:] == ("torch.linear",) * 3
+    for names in torch_only.linear_choices.values():  # oneDNN's packed copy is torch's own path too
+        assert names[0] in ("torch.linear", "torch.mv", "onednn.packed")
+        assert all(n in ("torch.linear", "onednn.packed") for n in names[1:])
     if load() is None:
         pytest.skip("no native kernels on this host")
     forced = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "native")
@@ -100,9 +104,56 @@ def test_a_stale_cached_name_is_measured_again(cache_dir, monkeypatch):
     path.write_text(json.dumps(saved))
     plan = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "torch")
     assert "measured" in plan.summary
-    assert all(n in ("torch.linear", "torch.mv") for names in plan.linear_choices.values() for n in names)
+    assert all(n in ("torch.linear", "torch.mv", "onednn.packed") for names in plan.linear_choices.values() for n in names)
 
 
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="kernels must be one of auto, torch, native, got 'fast'"):
         KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "fast")
+
+
+def test_packed_copies_are_kept_only_where_chosen_and_only_when_they_fit(cache_dir, monkeypatch):
+    if not ONEDNN_PACKS.supported(torch.float32):
+        pytest.skip("this torch build packs no float32 weights for oneDNN")
+    mats = weights()
+    def packed_wins_many_rows_of_32x16(fns, device, rows):  # as timing does, runs every candidate (so packs all)
+        for fn in fns.values():
+            fn()
+        shape = next(iter(fns.values())).args[1].shape
+        wins = "onednn.packed" in fns and rows > 8 and shape == (32, 16)
+        return "onednn.packed" if wins else next(n for n in fns if n != "onednn.packed")
+    monkeypatch.setattr(kernel_plan, "_fastest", packed_wins_many_rows_of_32x16)
+    plan = KernelPlan.choose(mats, (4, 2, 8), torch.float32, torch.device("cpu"), "auto")
+    assert plan.linear_choices[(32, 16, "float32")][2:] == ("onednn.packed",) * 2
+    assert "onednn.packed" not in plan.linear_choices[(16, 32, "float32")]
+    # both 32 x 16 weights hold a packed copy (the second was never timed); the 16 x 32 one's, made by its
+    # timing, was dropped
+    assert [ONEDNN_PACKS.holds(w) for w in mats] == [True, False, True]
+    assert plan.packed_bytes == 2 * 32 * 16 * 4 and "oneDNN packed copies" in plan.summary
+    x = torch.randn(70, 16)
+    assert torch.allclose(plan.linear(x, mats[2]), F.linear(x, mats[2]), rtol=1e-5, atol=1e-5)  # the packed one
+    # where two copies would not fit, packing is not even timed
+    monkeypatch.setattr(kernel_plan, "fits", lambda extra_bytes: False)
+    others = weights()
+    tight = KernelPlan.choose(others, (4, 2, 8), torch.float32, torch.device("cpu"), "auto")
+    assert all("onednn.packed" not in names for names in tight.linear_choices.values())
+    assert tight.packed_bytes == 0 and not any(ONEDNN_PACKS.holds(w) for w in others)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_copy_serves_every_row_count(dtype):
+    if not ONEDNN_PACKS.supported(dtype):
+        pytest.skip(f"this torch build packs no {dtype} weights for oneDNN")
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(37, 50, generator=g).to(dtype), torch.randn(37, generator=g).to(dtype)
+    for rows in (1, 5, 33, 130):
+        x = torch.randn(rows, 50, generator=g).to(dtype)
+        got = ONEDNN_PACKS.linear(x, weight, bias)
+        want = F.linear(x.float(), weight.float(), bias.float())
+        assert got.shape == (rows, 37) and got.dtype == dtype
+        assert (got.float() - want).abs().max() <= (1e-4 if dtype == torch.float32 else 0.02) * want.abs().max()
+    strided = torch.randn(50, 9, generator=g).to(dtype).t()  # a transposed view is multiplied as it reads
+    assert torch.allclose(ONEDNN_PACKS.linear(strided, weight, None).float(), F.linear(strided, weight).float(),
+                          rtol=0.02, atol=0.02)
+    ONEDNN_PACKS.drop(weight)
+    assert not ONEDNN_PACKS.holds(weight)

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from services import Engine, SamplingParams
+from services.kernels import kernel_plan
+from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.scheduler import ScheduledBatch
 from services.sequence import Sequence
 
@@ -65,8 +67,16 @@ def model_pair(request, tmp_path_factory):
     tiny = write_model("tiny", tmp_path_factory.mktemp("tok"), seed=0)  # borrow a tokenizer
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((tiny / name).read_bytes())
-    return hf, {kernels: Engine(model=folder, dtype="float32", block_size=4, max_num_batched_tokens=64, kernels=kernels)
-                for kernels in ("native", "torch")}
+    def engine(kernels: str) -> Engine:
+        return Engine(model=folder, dtype="float32", block_size=4, max_num_batched_tokens=64, kernels=kernels)
+
+    engines = {kernels: engine(kernels) for kernels in ("native", "torch")}
+    with pytest.MonkeyPatch.context() as patch:  # oneDNN's packed weights wherever offered, in a cache of their own
+        patch.setattr(kernel_plan, "cache_root", lambda: tmp_path_factory.mktemp("kernel-cache"))
+        patch.setattr(kernel_plan, "_fastest", lambda fns, device, rows: next(
+            (n for n in fns if n == "onednn.packed"), next(iter(fns))))
+        engines["packed"] = engine("torch")
+    return hf, engines
 
 
 def engine_logits(engine: Engine, prompt: list[int], chunk: int) -> torch.Tensor:
@@ -89,10 +99,14 @@ def engine_logits(engine: Engine, prompt: list[int], chunk: int) -> torch.Tensor
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("kernels", ["native", "torch"])
+@pytest.mark.parametrize("kernels", ["native", "torch", "packed"])
 def test_prefill_and_decode_logits_match(model_pair, kernels):
     hf, engines = model_pair
     engine = engines[kernels]
+    if kernels == "packed":
+        if not ONEDNN_PACKS.supported(torch.float32):
+            pytest.skip("this torch build packs no float32 weights for oneDNN")
+        assert all(names == ("onednn.packed",) * 4 for names in engine.runner.model.plan.linear_choices.values())
     prompt = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]

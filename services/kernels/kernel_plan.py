@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
@@ -28,6 +28,7 @@ from services.engine_config import KERNEL_MODES
 from services.int4_weight import Int4Weight
 from services.kernels import native as native_build
 from services.kernels.linear_candidates import LinearFn, candidates
+from services.kernels.onednn_packs import ONEDNN_PACKS, fits
 from services.quantized_weight import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class KernelPlan:
     attention_choice: str  # "torch" | "native"
     native: ModuleType | None
     device: torch.device
+    packed_bytes: int = 0  # oneDNN packed copies kept beside their weights (onednn_packs.py)
     summary: str = ""
     _table: dict[tuple, tuple[LinearFn, ...]] = field(default_factory=dict, repr=False)
 
@@ -64,7 +66,7 @@ class KernelPlan:
             self._table[key] = tuple(self._fn(key, names[b], b) for b in range(len(BUCKETS)))
 
     def _fn(self, key: tuple, name: str, bucket: int) -> LinearFn:
-        return candidates(key[-1], self.device.type == "cpu", key[1], MAX_ROWS[bucket], self.native)[name]
+        return candidates(key[-1], self.device.type == "cpu", key[1], MAX_ROWS[bucket], self.native, packed=True)[name]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -84,7 +86,7 @@ class KernelPlan:
 
     def describe(self) -> dict[str, object]:
         """For stats() and logs: the native build's state and every choice."""
-        return {"native": self.native is not None, "attention": self.attention_choice,
+        return {"native": self.native is not None, "attention": self.attention_choice, "packed_bytes": self.packed_bytes,
                 "linear": {"x".join(map(str, k[:-1])) + " " + k[-1]: dict(zip(BUCKETS, v))
                            for k, v in self.linear_choices.items()}}
 
@@ -100,6 +102,9 @@ class KernelPlan:
         native = native_build.load() if device.type == "cpu" and mode != "torch" else None
         cache = ChoiceCache.open(native)
         started, cpu_started, measured = time.perf_counter(), time.process_time(), 0
+        dense = {id(w): w for w in weights if isinstance(w, torch.Tensor)}
+        # oneDNN's packed copies are a second copy of a weight: offered only where all of them would fit
+        packed = device.type == "cpu" and mode != "native" and fits(sum(w.nbytes for w in dense.values()))
         choices: dict[tuple, tuple[str, ...]] = {}
         for weight in weights:
             key = weight_key(weight)
@@ -107,7 +112,7 @@ class KernelPlan:
                 continue
             names = []
             for b, rows in enumerate(PROBE_ROWS):
-                found = candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b], native)
+                found = candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b], native, packed)
                 if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
                     # the native kernel where it runs (few rows), else w8a8's own product, else the first
                     # (torch.linear / dequant.linear)
@@ -135,13 +140,26 @@ class KernelPlan:
         busy = device.type == "cpu" and cpu < 0.7 * wall * torch.get_num_threads()
         if not busy:
             cache.save()
-        plan = cls(choices, attention, native, device)
+        plan = cls(choices, attention, native, device, packed_bytes=_keep_chosen_packs(dense.values(), choices))
         where = (f"measured {measured} in {wall:.1f} s{', host busy: not cached' if busy else ''}" if measured
                  else "from the cache")
         plan.summary = (f"kernels on {native_build.cpu_model()}, {torch.get_num_threads()} threads, mode {mode} "
-                        f"({where}): native {'built' if native else 'off'}; decode attention {attention}; linear "
+                        f"({where}): native {'built' if native else 'off'}; decode attention {attention}; "
+                        f"oneDNN packed copies {plan.packed_bytes / 2**20:.0f} MiB; linear "
                         + "; ".join(f"{k}: {'/'.join(v.values())}" for k, v in plan.describe()["linear"].items()))
         return plan
+
+
+def _keep_chosen_packs(dense: Iterable[torch.Tensor], choices: dict[tuple, tuple[str, ...]]) -> int:
+    """Pack now every dense weight whose plan chose oneDNN's packed copy (not in the first request), drop
+    the copies timing made of the others; returns the bytes kept."""
+    kept = 0
+    for weight in dense:
+        if "onednn.packed" in choices[weight_key(weight)]:
+            kept += ONEDNN_PACKS.packed(weight).numel() * weight.element_size()
+        else:
+            ONEDNN_PACKS.drop(weight)
+    return kept
 
 
 def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int) -> str:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from services.int4_weight import GROUP, Int4Weight
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
+from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.quantized_weight import Int8Weight
 
 LinearFn = Callable[[torch.Tensor, "torch.Tensor | Int8Weight | Int4Weight", "torch.Tensor | None"], torch.Tensor]
@@ -102,10 +103,11 @@ def _native_int4(kernel: Callable) -> LinearFn:
     return int4
 
 
-def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None
-               ) -> dict[str, LinearFn]:
+def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None,
+               packed: bool = False) -> dict[str, LinearFn]:
     """The kernels that can run a weight of `weight_format` ("int8", "w8a8", "int4", else a dense dtype) and
-    `in_features` columns for batches of up to `max_rows` rows, on the CPU or not."""
+    `in_features` columns for batches of up to `max_rows` rows, on the CPU or not; `packed`: offer oneDNN's
+    packed copy of a dense weight (onednn_packs.py: it costs the weight's memory again)."""
     if weight_format == "int4":
         found = {"dequant.linear": _int4_dequant_linear(native)}
         if on_cpu and in_features % 64 == 0 and max_rows <= 64:  # torch's wants whole groups, unpadded
@@ -128,6 +130,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:
             found["torch.mv"] = _torch_mv
+        if on_cpu and packed and ONEDNN_PACKS.supported(getattr(torch, weight_format)):
+            found["onednn.packed"] = ONEDNN_PACKS.linear
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
         found["native"] = _native(native, 1)
         found["native.4rows"] = _native(native, 4)
