@@ -8,8 +8,11 @@ shared host hits every system alike:
 - prefill of a 1,024-token prompt (first token included);
 - batch-32 decode with 1,024-token contexts (pdserve only: 32 sequences admitted with random KV,
   as a decode worker admits prefilled ones; llama-cpp-python's high-level API has one sequence).
-The read-bandwidth and matmul ceilings are measured in the same run; the table gives each
-pdserve decode's MBU and the batch-32 step against (weights + KV bytes) / read bandwidth.
+The read-bandwidth and matmul ceilings are measured in the same run; the table gives each decode's
+MBU (bytes one step reads / its time / read bandwidth; llama.cpp's bytes: its GGUF file) two ways:
+against the run's best ceiling, and paired — each round's sample against a read ceiling re-measured
+right after it, median over rounds (this VM's bandwidth swings 1.5x within minutes; pairing cancels
+that) — and the batch-32 step against (weights + KV bytes) / read bandwidth.
 
 Needs the `bench` extra, llama.cpp built on this host with its native flags:
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python 'llama-cpp-python>=0.3' gguf
@@ -19,6 +22,7 @@ Needs the `bench` extra, llama.cpp built on this host with its native flags:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -97,6 +101,7 @@ class LlamaCppRunner:
     def __init__(self, path, threads: int) -> None:
         from llama_cpp import Llama
 
+        self.weight_bytes = os.path.getsize(path)  # every weight once a step (the output matrix is the embedding)
         self.llm = Llama(model_path=str(path), n_ctx=2048, n_batch=1024, n_ubatch=1024, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
 
@@ -142,6 +147,13 @@ class TransformersRunner:
         return (time.perf_counter() - start) * 1e3
 
 
+def read_bytes(runner) -> int:
+    """Bytes one batch-1 decode step reads (weights + the short context's KV); 0: not known (transformers)."""
+    if isinstance(runner, PdserveRunner):
+        return runner.decode_bytes([len(PROMPT) + 8])
+    return getattr(runner, "weight_bytes", 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -172,10 +184,14 @@ def main() -> None:
     for dtype in args.transformers:
         runners[f"transformers {dtype}"] = TransformersRunner(folder, getattr(torch, dtype))
     before = ceilings_mod.measure(num_bytes=2 * 10**9, repeats=3)
+    probe = ceilings_mod.ReadProbe(10**9)  # re-measured after each decode sample: the paired MBU
     samples = {name: {"decode_ms": [], "prefill_ms": [], "batch32_ms": []} for name in runners}
+    paired_mbu = {name: [] for name in runners}
     for round_ in range(args.rounds):
         for name, runner in runners.items():
             samples[name]["decode_ms"].append(runner.decode_ms(args.decode_tokens))
+            if read_bytes(runner):
+                paired_mbu[name].append(read_bytes(runner) / (samples[name]["decode_ms"][-1] / 1e3) / probe(2))
             samples[name]["prefill_ms"].append(runner.prefill_ms())
             if isinstance(runner, PdserveRunner):
                 samples[name]["batch32_ms"].append(runner.batch_decode_ms(32, 1024, args.batch_steps))
@@ -189,17 +205,20 @@ def main() -> None:
         spread = {k: (min(v), max(v)) for k, v in s.items() if v}
         entry = {"median": med, "min_max": spread}
         runner = runners[name]
-        mbu = batch_bound = ""
+        mbu, paired, batch_bound = "", "", ""
+        if read_bytes(runner):
+            mbu, paired = read_bytes(runner) / (med["decode_ms"] / 1e3) / read_bw, statistics.median(paired_mbu[name])
+            entry.update(decode_mbu=mbu, decode_mbu_paired=paired, decode_mbu_paired_rounds=paired_mbu[name])
         if isinstance(runner, PdserveRunner):
-            mbu = runner.decode_bytes([len(PROMPT) + 8]) / (med["decode_ms"] / 1e3) / read_bw
             bound = runner.decode_bytes([1024 + 4] * 32) / read_bw * 1e3
             batch_bound = med["batch32_ms"] / bound
-            entry.update(decode_mbu=mbu, batch32_vs_bandwidth_bound=batch_bound, batch32_bound_ms=bound)
+            entry.update(batch32_vs_bandwidth_bound=batch_bound, batch32_bound_ms=bound)
         results[name] = entry
         rows.append([name, f"{med['decode_ms']:.1f} [{spread['decode_ms'][0]:.1f}-{spread['decode_ms'][1]:.1f}]",
-                     mbu if mbu == "" else f"{mbu:.2f}", f"{med['prefill_ms'] / 1e3:.2f} s",
+                     mbu if mbu == "" else f"{mbu:.2f}", paired if paired == "" else f"{paired:.2f}",
+                     f"{med['prefill_ms'] / 1e3:.2f} s",
                      f"{med['batch32_ms']:.0f} ({batch_bound:.2f}x bound)" if "batch32_ms" in med else "-"])
-    print(format_table(["system", "batch-1 decode ms/token [min-max]", "MBU", "prefill 1,024",
+    print(format_table(["system", "batch-1 decode ms/token [min-max]", "MBU", "MBU paired", "prefill 1,024",
                         "batch-32 x 1,024-ctx step ms"], rows))
     print(f"read ceiling {read_bw / 1e9:.1f} GB/s (best of sum, GEMV, native GEMV; before and after); bf16 matmul "
           f"{before['matmul_flops']['bfloat16'] / 1e9:.0f} GFLOP/s")
