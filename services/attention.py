@@ -62,14 +62,20 @@ class AttentionMetadata:
 
 # (q [B, H, Dh], one layer's pool [2, S, K, Dh], meta, scale) -> [B, H, Dh]: one query per sequence
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, "AttentionMetadata", float], torch.Tensor]
+# (q [T, H, Dh], one layer's pool [2, S, K, Dh], block_table [max_blocks], context_len, block_size, scale)
+# -> [T, H, Dh]: one sequence's T new tokens, query j at position context_len - T + j, causally over its
+# context read from the pool (the new k/v already in it)
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor]
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    decode_kernel: DecodeKernel | None = None,
+    decode_kernel: DecodeKernel | None = None, prefill_kernel: PrefillKernel | None = None,
 ) -> torch.Tensor:
     """Store the new k/v in the pool, then attend causally over each sequence's context; a decode
-    step (one query per sequence) goes to `decode_kernel` (default: the torch reference below).
+    step (one query per sequence) goes to `decode_kernel` (default: the torch reference below), each
+    sequence with several new tokens to `prefill_kernel` (default: SDPA, on its fresh k/v or on its
+    context gathered out of the pool).
 
     q: [N, H, Dh]; k, v: [N, K, Dh]; kv_cache: [2, S, K, Dh] (one layer). Returns [N, H, Dh].
     """
@@ -87,6 +93,11 @@ def paged_attention(
     for i, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
         end = start + query_len
         if query_len == 1:  # done above
+            start = end
+            continue
+        if prefill_kernel is not None:
+            out[start:end] = prefill_kernel(q[start:end], kv_cache, meta.block_tables[i], context_len,
+                                            meta.block_size, scale)
             start = end
             continue
         q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]

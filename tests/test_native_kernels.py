@@ -94,6 +94,82 @@ def test_paged_decode_attention_reads_only_the_context(native):
     assert torch.equal(before, after)
 
 
+def prefill_case(dtype, new_tokens, context_len, heads, kv_heads, head_dim, block_size=16, seed=0):
+    """One sequence's queries [T, H, Dh], a pool [2, S, K, Dh] holding its context in scattered
+    blocks (more blocks than it needs), and its block table."""
+    g = torch.Generator().manual_seed(seed + new_tokens + context_len + head_dim)
+    used, num_blocks = -(-context_len // block_size), -(-context_len // block_size) + 5
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:used].contiguous()
+    q = torch.randn(new_tokens, heads, head_dim, generator=g).to(dtype)
+    return q, cache, table
+
+
+def prefill_reference(q, cache, table, context_len, block_size, scale):
+    """The context gathered out of the pool, then SDPA in float32: query j at position
+    context_len - T + j sees keys 0 .. that position."""
+    new_tokens = q.shape[0]
+    slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:context_len]
+    keys, values = cache[0, slots].transpose(0, 1).float(), cache[1, slots].transpose(0, 1).float()  # [K, C, Dh]
+    positions = torch.arange(context_len - new_tokens, context_len)
+    mask = torch.arange(context_len)[None, :] <= positions[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).float()[None], keys[None], values[None], attn_mask=mask,
+                                       scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)  # [T, H, Dh]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("new_tokens,context_len,heads,kv_heads,head_dim", [
+    (1, 1, 4, 4, 16),  # one token, GQA ratio 1
+    (37, 37, 6, 2, 64),  # a whole prompt, T a multiple of no block, ratio 3
+    (70, 201, 12, 3, 64),  # a later chunk after a cached prefix of 131, ratio 4
+    (33, 33, 3, 1, 24),  # an odd head dim (16 lanes + 8 left over), ratio 3
+    (50, 90, 8, 2, 40),
+    (5, 77, 4, 4, 16),  # a short chunk far into its context
+])
+def test_prefill_attention_matches_the_gather_and_sdpa_reference(native, dtype, new_tokens, context_len, heads,
+                                                                 kv_heads, head_dim):
+    q, cache, table = prefill_case(dtype, new_tokens, context_len, heads, kv_heads, head_dim)
+    got = native.prefill_attention(q, cache, table, context_len, 16, 0.3)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = prefill_reference(q, cache, table, context_len, 16, 0.3)
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_reads_only_the_context(native, dtype):
+    # Every slot past the context, in its last block and in blocks it does not use, poisoned with NaN.
+    q, cache, table = prefill_case(dtype, 20, 45, 4, 2, 32, block_size=8)
+    before = native.prefill_attention(q, cache, table, 45, 8, 0.5)
+    used = {int(table[t // 8]) * 8 + t % 8 for t in range(45)}
+    poisoned = cache.clone()
+    for slot in set(range(cache.shape[1])) - used:
+        poisoned[:, slot] = float("nan")
+    after = native.prefill_attention(q, poisoned, table, 45, 8, 0.5)
+    assert torch.equal(before, after)
+
+
+def test_prefill_attention_reads_a_strided_view_of_the_qkv_product(native):
+    # the model hands q over as heads 0..H-1 of the fused qkv rows [T, H + 2K, Dh], not a copy
+    q, cache, table = prefill_case(torch.bfloat16, 19, 40, 6, 2, 32)
+    qkv = torch.cat([q, torch.full((19, 4, 32), float("nan"), dtype=torch.bfloat16)], dim=1)
+    assert not qkv[:, :6].is_contiguous()
+    assert torch.equal(native.prefill_attention(qkv[:, :6], cache, table, 40, 16, 0.3),
+                       native.prefill_attention(q, cache, table, 40, 16, 0.3))
+
+
+def test_prefill_attention_refuses_what_it_cannot_read(native):
+    q, cache, table = prefill_case(torch.float32, 4, 40, 4, 2, 16)  # 40 slots of 16: 3 blocks
+    with pytest.raises(RuntimeError, match="context_len 3 must cover the 4 queries"):
+        native.prefill_attention(q, cache, table, 3, 16, 1.0)
+    with pytest.raises(RuntimeError, match="context_len 64 needs 4 blocks, the table has 3"):
+        native.prefill_attention(q, cache, table, 64, 16, 1.0)
+    with pytest.raises(RuntimeError, match="block 99 is outside the pool"):
+        native.prefill_attention(q, cache, torch.tensor([0, 99, 1]), 40, 16, 1.0)
+    with pytest.raises(RuntimeError, match="K must divide H"):
+        native.prefill_attention(q[:, :3], cache, table, 40, 16, 1.0)
+
+
 def test_load_returns_none_and_says_why_when_compiling_fails(monkeypatch, caplog):
     from torch.utils import cpp_extension
 

@@ -61,12 +61,36 @@ def native_decode_kernel():
     return kernel
 
 
+def native_prefill_kernel():
+    module = native_build.load()
+    if module is None:
+        pytest.skip("this host cannot compile the native kernels (the engine falls back to torch's)")
+    return module.prefill_attention
+
+
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_a_mixed_step_equals_each_sequence_attending_alone(kernel):
     pool, q, k, v, meta, whole = mixed_step()
     decode_kernel = torch_decode_attention if kernel == "torch" else native_decode_kernel()
-    got = paged_attention(q, k, v, pool, meta, 0.25, decode_kernel)
+    prefill_kernel = None if kernel == "torch" else native_prefill_kernel()
+    got = paged_attention(q, k, v, pool, meta, 0.25, decode_kernel, prefill_kernel)
     torch.testing.assert_close(got, reference(pool, q, whole, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_the_prefill_kernel_gets_each_multi_token_sequence_with_its_own_table():
+    pool, q, k, v, meta, whole = mixed_step()
+    calls = []
+
+    def recording(q_i, kv_cache, block_table, context_len, block_size, scale):
+        calls.append((q_i.shape[0], block_table.tolist(), context_len, block_size, scale))
+        assert kv_cache is pool and torch.equal(q_i, q[1:6] if len(calls) == 1 else q[7:10])
+        return torch.zeros_like(q_i)
+
+    got = paged_attention(q, k, v, pool, meta, 0.25, torch_decode_attention, recording)
+    assert calls == [(5, meta.block_tables[1].tolist(), 5, BLOCK, 0.25), (3, meta.block_tables[3].tolist(), 11, BLOCK, 0.25)]
+    want = reference(pool, q, whole, 0.25)
+    assert torch.equal(got[1:6], torch.zeros(5, HEADS, HEAD_DIM)) and torch.equal(got[7:10], torch.zeros(3, HEADS, HEAD_DIM))
+    torch.testing.assert_close(got[[0, 6, 10]], want[[0, 6, 10]], rtol=1e-5, atol=1e-5)  # the decodes unaffected
 
 
 def test_the_decode_rows_are_found_once_per_step():

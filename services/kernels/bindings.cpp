@@ -6,6 +6,8 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                      int64_t block_size, double scale);
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
+                                int64_t context_len, int64_t block_size, double scale);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -19,5 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y[M, N] = x[M, K] @ W^T (+ bias[N]), W group-wise int4 (int4_weight.py)");
   m.def("int4_tiled_linear", &int4_tiled_linear, "int4_linear for several rows: W dequantized 16 rows at a time");
   m.def("int4_dequantize", &int4_dequantize, "W [N, in_features] in dtype, from group-wise int4");
+  m.def("prefill_attention", &prefill_attention,
+        "one sequence's T new tokens, causally over its context in the paged pool (in place)");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence over the paged pool, in place");
 }

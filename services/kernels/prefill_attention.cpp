@@ -1,0 +1,283 @@
+// Causal prefill attention read straight from the paged KV pool: the new tokens of one sequence
+// attend to its whole context (a cached prefix, then themselves), every key and value found through
+// the sequence's block table, never gathered out of the pool first.
+//
+// Legend: T new tokens (queries), C context length (cached prefix + the T new tokens, all already
+// in the pool), H query heads, K kv heads (G = H / K query heads share one), Dh head dim, S pool
+// slots, N keys per key block (32), M query positions per task, R = M * G query rows per task,
+// Pr elements per 32-bit lane of a packed operand (2 for bf16 pairs, 1 for float32).
+//   q:           [T, H, Dh]    float32 / bfloat16 / float16, rows strided (a view of the fused qkv
+//                              product is read in place); query j sits at position C - T + j
+//   kv_cache:    [2, S, K, Dh] same dtype (keys, then values; one layer)
+//   block_table: [max_blocks]  int64 (the sequence's pool blocks, ceil(C / block_size) used)
+//   out:         [T, H, Dh]    q's dtype
+//
+// Flash style: a task is one kv head and M consecutive query positions, i.e. R query rows (the G
+// heads sharing that kv head at each position); it walks the key blocks up to its last position,
+// keeping a running maximum and sum per row (online softmax, float32) and the output rows in float32.
+// The keys and values are first packed once per call, block by block, into the order the products
+// read: with AVX-512 BF16, vdpbf16ps multiplies a broadcast pair of query (or probability) elements
+// by 16 key columns' pairs at once, accumulating 16 float32 scores (or output elements); elsewhere
+// the same loops run on float32 with FMAs (or scalar code, which the compiler vectorizes).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "softmax_math.h"
+#include "vec_load.h"
+
+namespace {
+
+constexpr int64_t kKeys = 32;  // N: keys per block, two 16-lane vectors of scores per query row
+
+template <typename E> constexpr int64_t kPair = 1;  // Pr of a packed element type
+template <> constexpr int64_t kPair<at::BFloat16> = 2;
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+#if defined(__AVX512F__)
+// 16 lanes of Pr elements each, and one lane's Pr elements broadcast to all 16.
+inline __m512 lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline __m512 lanes(const at::BFloat16* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+inline __m512 broadcast(const at::BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, 4);
+  return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+}
+// acc + the lane-wise products of a and b, each lane's Pr products summed
+template <typename E> inline __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+#if defined(__AVX512BF16__)
+template <> inline __m512 madd<at::BFloat16>(__m512 acc, __m512 a, __m512 b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+#endif
+
+// c [RT, 16 VT] += a [RT, steps * Pr] . b [steps, 16 VT * Pr] (float32 accumulators in registers;
+// each step loads VT vectors of b once for the RT rows).
+template <typename E, int RT, int VT>
+inline void tile(const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c, int64_t ldc) {
+  constexpr int64_t Pr = kPair<E>;
+  __m512 acc[RT][VT];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < VT; ++v) acc[r][v] = _mm512_loadu_ps(c + r * ldc + 16 * v);
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512 bv[VT];
+    for (int v = 0; v < VT; ++v) bv[v] = lanes(b + s * ldb + 16 * Pr * v);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 x = broadcast(a + r * lda + s * Pr);
+      for (int v = 0; v < VT; ++v) acc[r][v] = madd<E>(acc[r][v], bv[v], x);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < VT; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+template <typename E, int RT, int VT>  // the last rows < RT of a column strip
+inline void tail_rows(int64_t rows, const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c,
+                      int64_t ldc) {
+  if constexpr (RT > 0) {
+    if (rows == RT) tile<E, RT, VT>(a, lda, b, ldb, steps, c, ldc);
+    else tail_rows<E, RT - 1, VT>(rows, a, lda, b, ldb, steps, c, ldc);
+  }
+}
+
+template <typename E, int VT>  // one strip of 16 VT columns, all rows; 16-ish accumulators per tile
+inline void strip(int64_t rows, const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c,
+                  int64_t ldc) {
+  constexpr int RT = VT >= 4 ? 4 : 8;
+  int64_t r = 0;
+  for (; r + RT <= rows; r += RT) tile<E, RT, VT>(a + r * lda, lda, b, ldb, steps, c + r * ldc, ldc);
+  tail_rows<E, RT - 1, VT>(rows - r, a + r * lda, lda, b, ldb, steps, c + r * ldc, ldc);
+}
+#endif
+
+// c [rows, cols] += a [rows, steps * Pr] . b [steps, cols * Pr] (b's Pr elements of a column adjacent).
+template <typename E>
+void gemm(const E* a, int64_t lda, const E* b, int64_t steps, float* c, int64_t ldc, int64_t rows, int64_t cols) {
+  constexpr int64_t Pr = kPair<E>;
+  const int64_t ldb = cols * Pr;
+  int64_t col = 0;
+#if defined(__AVX512F__)
+  for (; col + 64 <= cols; col += 64) strip<E, 4>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc);
+  for (; col + 32 <= cols; col += 32) strip<E, 2>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc);
+  for (; col + 16 <= cols; col += 16) strip<E, 1>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc);
+#endif
+  for (int64_t r = 0; r < rows && col < cols; ++r)  // the columns left over (Dh not a multiple of 16)
+    for (int64_t s = 0; s < steps * Pr; ++s) {
+      const float x = to_float(a[r * lda + s]);
+      for (int64_t j = col; j < cols; ++j) c[r * ldc + j] += x * to_float(b[(s / Pr) * ldb + j * Pr + s % Pr]);
+    }
+}
+
+// Key block kb of kv head kh, packed for the products: kp [Dh / Pr, N, Pr] (the scores' b: keys are
+// its columns) and vp [N / Pr, Dh, Pr] (the outputs' b: head dims are its columns). Positions at or
+// past C are zeros, so the pool slots past the context are never read.
+template <typename E, typename T>
+void pack_block(const T* keys, const T* values, const int64_t* table, int64_t block_size, int64_t K, int64_t kh,
+                int64_t Dh, int64_t kb, int64_t C, E* kp, E* vp) {
+  constexpr int64_t Pr = kPair<E>;
+  for (int64_t n = 0; n < kKeys; ++n) {
+    const int64_t pos = kb * kKeys + n;
+    const int64_t slot = pos < C ? table[pos / block_size] * block_size + pos % block_size : 0;
+    const T* k = keys + (slot * K + kh) * Dh;
+    const T* v = values + (slot * K + kh) * Dh;
+    for (int64_t d = 0; d < Dh; ++d) {
+      kp[(d / Pr) * kKeys * Pr + n * Pr + d % Pr] = static_cast<E>(pos < C ? scalar_to_float(k[d]) : 0.f);
+      vp[(n / Pr) * Dh * Pr + d * Pr + n % Pr] = static_cast<E>(pos < C ? scalar_to_float(v[d]) : 0.f);
+    }
+  }
+}
+
+// One key block's online-softmax step for row r: s [N] raw scores, of which the first `visible`
+// count (the causal bound); p [N] gets exp(scale s - new max) (zeros past `visible`), o [Dh] and the
+// row's sum are rescaled to the new max.
+template <typename E>
+void softmax_step(const float* s, int64_t visible, float scale, float& max, float& sum, E* p, float* o, int64_t Dh) {
+  visible = std::min(visible, kKeys);
+  if (visible <= 0) {  // a block wholly after this row's position
+    std::fill(p, p + kKeys, static_cast<E>(0.f));
+    return;
+  }
+  float block_max = -std::numeric_limits<float>::infinity(), block_sum = 0.f;
+#if defined(__AVX512F__)
+  const uint32_t bits = visible >= 32 ? 0xFFFFFFFFu : (1u << visible) - 1;
+  const __mmask16 lo = bits & 0xFFFF, hi = bits >> 16;
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), k = _mm512_set1_ps(scale);
+  const __m512 s0 = _mm512_mul_ps(_mm512_mask_loadu_ps(minus_inf, lo, s), k);
+  const __m512 s1 = _mm512_mul_ps(_mm512_mask_loadu_ps(minus_inf, hi, s + 16), k);
+  block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+  const float new_max = std::max(max, block_max);
+  const __m512 m = _mm512_set1_ps(new_max);
+  const __m512 e0 = _mm512_maskz_mov_ps(lo, exp_nonpositive(_mm512_sub_ps(s0, m)));
+  const __m512 e1 = _mm512_maskz_mov_ps(hi, exp_nonpositive(_mm512_sub_ps(s1, m)));
+  block_sum = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+  if constexpr (std::is_same_v<E, float>) {
+    _mm512_storeu_ps(p, e0);
+    _mm512_storeu_ps(p + 16, e1);
+  } else {
+#if defined(__AVX512BF16__)
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // e0 in the low half
+#endif
+  }
+#else
+  for (int64_t n = 0; n < visible; ++n) block_max = std::max(block_max, scale * s[n]);
+  const float new_max = std::max(max, block_max);
+  for (int64_t n = 0; n < kKeys; ++n) {
+    const float e = n < visible ? std::exp(scale * s[n] - new_max) : 0.f;
+    p[n] = static_cast<E>(e);
+    block_sum += e;
+  }
+#endif
+  const float alpha = std::exp(max - new_max);  // 0 on the first block (max = -inf)
+  if (alpha != 1.f)
+    for (int64_t d = 0; d < Dh; ++d) o[d] *= alpha;
+  sum = sum * alpha + block_sum;
+  max = new_max;
+}
+
+template <typename T, typename E>
+void attend(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* cache, const int64_t* table, T* out,
+            int64_t T_len, int64_t C, int64_t H, int64_t K, int64_t Dh, int64_t S, int64_t block_size, float scale) {
+  const int64_t G = H / K, first = C - T_len;  // first: the position of query 0
+  const T* keys = cache;  // [S, K, Dh]
+  const T* values = cache + S * K * Dh;  // [S, K, Dh]
+  const int64_t key_blocks = (C + kKeys - 1) / kKeys, block_elems = kKeys * Dh;
+  const auto elem = std::is_same_v<E, float> ? at::kFloat : at::kBFloat16;
+  // kp, vp: [K, key_blocks, N * Dh] each, the pack_block layouts
+  at::Tensor packed = at::empty({2, K, key_blocks, block_elems}, at::TensorOptions().dtype(elem));
+  E* kp = reinterpret_cast<E*>(packed.data_ptr());
+  E* vp = kp + K * key_blocks * block_elems;
+  at::parallel_for(0, K * key_blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      pack_block(keys, values, table, block_size, K, i / key_blocks, Dh, i % key_blocks, C, kp + i * block_elems,
+                 vp + i * block_elems);
+  });
+  const int64_t M = std::max<int64_t>(1, 64 / G), R_max = M * G;  // ~64 rows per task
+  const int64_t query_blocks = (T_len + M - 1) / M, tasks = K * query_blocks;
+  std::atomic<int64_t> next{0};  // tasks handed out longest first (the last positions see the most keys)
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    std::vector<E> qt(R_max * Dh), p(R_max * kKeys);  // [R, Dh], [R, N]
+    std::vector<float> o(R_max * Dh), s(R_max * kKeys), maxes(R_max), sums(R_max);  // [R, Dh], [R, N], [R]
+    for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
+      const int64_t qb = query_blocks - 1 - task / K, kh = task % K;
+      const int64_t j0 = qb * M, rows_m = std::min(M, T_len - j0), R = rows_m * G;  // queries j0 .. j0 + rows_m - 1
+      for (int64_t r = 0; r < R; ++r) {  // row r = position j0 + r / G, head kh G + r % G
+        const T* src = q + (j0 + r / G) * q_token_stride + (kh * G + r % G) * q_head_stride;
+        for (int64_t d = 0; d < Dh; ++d) qt[r * Dh + d] = static_cast<E>(scalar_to_float(src[d]));
+      }
+      std::fill(o.begin(), o.begin() + R * Dh, 0.f);
+      std::fill(maxes.begin(), maxes.begin() + R, -std::numeric_limits<float>::infinity());
+      std::fill(sums.begin(), sums.begin() + R, 0.f);
+      const int64_t last = first + j0 + rows_m - 1;  // the task's last position: keys 0 .. last
+      for (int64_t kb = 0; kb <= last / kKeys; ++kb) {
+        const E* kblock = kp + (kh * key_blocks + kb) * block_elems;
+        const E* vblock = vp + (kh * key_blocks + kb) * block_elems;
+        std::fill(s.begin(), s.begin() + R * kKeys, 0.f);
+        gemm(qt.data(), Dh, kblock, Dh / kPair<E>, s.data(), kKeys, R, kKeys);  // s = q k^T
+        for (int64_t r = 0; r < R; ++r)  // row r sees keys up to its own position
+          softmax_step(s.data() + r * kKeys, first + j0 + r / G - kb * kKeys + 1, scale, maxes[r], sums[r],
+                       p.data() + r * kKeys, o.data() + r * Dh, Dh);
+        gemm(p.data(), kKeys, vblock, kKeys / kPair<E>, o.data(), Dh, R, Dh);  // o += p v
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        T* dst = out + ((j0 + r / G) * H + kh * G + r % G) * Dh;
+        for (int64_t d = 0; d < Dh; ++d) dst[d] = static_cast<T>(o[r * Dh + d] / sums[r]);
+      }
+    }
+  });
+}
+
+template <typename T>  // bf16 pairs where vdpbf16ps exists, float32 elsewhere
+void dispatch(const torch::Tensor& q, const torch::Tensor& cache, const int64_t* table, torch::Tensor& out,
+              int64_t C, int64_t block_size, float scale) {
+  const int64_t T_len = q.size(0), H = q.size(1), Dh = q.size(2), S = cache.size(1), K = cache.size(2);
+  auto run = [&](auto packed) {
+    attend<T, decltype(packed)>(q.data_ptr<T>(), q.stride(0), q.stride(1), cache.data_ptr<T>(), table,
+                                out.data_ptr<T>(), T_len, C, H, K, Dh, S, block_size, scale);
+  };
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (Dh % 2 == 0) return run(at::BFloat16());
+  }
+#endif
+  run(0.f);
+}
+
+}  // namespace
+
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
+                                int64_t context_len, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(0) == 2, "q [T, H, Dh], kv_cache [2, S, K, Dh]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the pool must share a dtype");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_table.is_contiguous(), "contiguous pool and block table expected");
+  TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kLong, "block_table [max_blocks] int64");
+  const int64_t T_len = q.size(0), H = q.size(1), Dh = q.size(2), S = kv_cache.size(1), K = kv_cache.size(2);
+  TORCH_CHECK(kv_cache.size(3) == Dh && H % K == 0, "head dims must agree and K must divide H");
+  TORCH_CHECK(block_size > 0 && S % block_size == 0, "block_size ", block_size, " must divide the pool's ", S, " slots");
+  TORCH_CHECK(T_len >= 1 && context_len >= T_len, "context_len ", context_len, " must cover the ", T_len, " queries");
+  const int64_t used = (context_len + block_size - 1) / block_size;
+  TORCH_CHECK(used <= block_table.numel(), "context_len ", context_len, " needs ", used, " blocks, the table has ",
+              block_table.numel());
+  const auto* table = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < used; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < S / block_size, "block ", table[b], " is outside the pool");
+  const torch::Tensor qs = q.stride(2) == 1 ? q : q.contiguous();  // whole rows; tokens and heads may be strided
+  torch::Tensor out = torch::empty({T_len, H, Dh}, q.options());
+  const float sc = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch<float>(qs, kv_cache, table, out, context_len, block_size, sc); break;
+    case at::kBFloat16: dispatch<at::BFloat16>(qs, kv_cache, table, out, context_len, block_size, sc); break;
+    case at::kHalf: dispatch<at::Half>(qs, kv_cache, table, out, context_len, block_size, sc); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
