@@ -81,6 +81,7 @@ class LlamaModel:
         self.plan = KernelPlan.choose(matrices, (self.num_heads, self.num_kv_heads, config.head_dim),
                                       self.embed.dtype, device, kernels)
         self.decode_kernel = self.plan.decode_attention
+        self.prefill_kernel = self.plan.prefill_attention  # None: SDPA (always on a GPU)
 
     def _into_huge_pages(self) -> None:
         """Every matrix a decode step streams, moved into 2 MB pages (services/weight_arena.py)."""
@@ -169,5 +170,6 @@ class LlamaModel:
         else:  # (Qwen3) each normalised with its own weight first
             q = self.rotary.apply(rms_norm(qkv[:, :h], layer.q_norm, c.rms_norm_eps), *rope)
             k = self.rotary.apply(rms_norm(qkv[:, h : h + kv], layer.k_norm, c.rms_norm_eps), *rope)
-        o = paged_attention(q, k, v, layer_cache, meta, self.scale, self.decode_kernel)  # [N, H, Dh]
+        o = paged_attention(q, k, v, layer_cache, meta, self.scale, self.decode_kernel,
+                            self.prefill_kernel)  # [N, H, Dh]
         return self._reduce(self.plan.linear(o.reshape(num_tokens, -1), layer.o))

@@ -62,7 +62,8 @@ def test_modes_and_the_cache(cache_dir, monkeypatch):
     # earlier test left torch with)
     monkeypatch.setattr(kernel_plan.time, "process_time", iter(range(0, 10**6, 1000)).__next__)
     torch_only = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "torch")
-    assert torch_only.native is None and torch_only.attention_choice == "torch"
+    assert torch_only.native is None and torch_only.attention_choice == "torch" == torch_only.prefill_choice
+    assert torch_only.prefill_attention is None  # paged_attention's SDPA path
     assert set(torch_only.linear_choices) == {(32, 16, "float32"), (16, 32, "float32")}  # distinct shapes once
     for names in torch_only.linear_choices.values():  # oneDNN's packed copy is torch's own path too
         assert names[0] in ("torch.linear", "torch.mv", "onednn.packed")
@@ -70,7 +71,8 @@ def test_modes_and_the_cache(cache_dir, monkeypatch):
     if load() is None:
         pytest.skip("no native kernels on this host")
     forced = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "native")
-    assert forced.attention_choice == "native"
+    assert forced.attention_choice == "native" == forced.prefill_choice
+    assert forced.prefill_attention is load().prefill_attention and "prefill attention native" in forced.summary
     assert all(names == ("native", "native", "native", "torch.linear") for names in forced.linear_choices.values())
     assert "measured" not in forced.summary  # fixed choices: engines compared token by token compute alike
     measured = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "auto")
@@ -82,6 +84,9 @@ def test_modes_and_the_cache(cache_dir, monkeypatch):
     again = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "auto")
     assert "from the cache" in again.summary
     assert again.linear_choices == measured.linear_choices and again.attention_choice == measured.attention_choice
+    assert again.prefill_choice == measured.prefill_choice
+    host_entries = saved[next(key for key in saved if "native off" not in key)]
+    assert host_entries["prefill attention H4 K2 Dh8 torch.float32"] == measured.prefill_choice
 
 
 def test_a_busy_hosts_timings_are_used_but_not_kept(cache_dir, monkeypatch):

@@ -1,4 +1,4 @@
-"""Which kernel runs each linear layer and the decode attention, chosen on this host by measurement.
+"""Which kernel runs each linear layer and the attention, chosen on this host by measurement.
 
 At engine start every distinct weight (shape and format) is timed with each candidate kernel for
 each row-count bucket (1, 2-8, 9-64, more), and the fastest is kept; the choices are cached per CPU
@@ -22,10 +22,11 @@ from types import ModuleType
 
 import torch
 
-from services.attention import AttentionMetadata, DecodeKernel, torch_decode_attention
+from services.attention import DecodeKernel, PrefillKernel, torch_decode_attention
 from services.cache_folder import cache_root
 from services.engine_config import KERNEL_MODES
 from services.int4_weight import Int4Weight
+from services.kernels import attention_choice
 from services.kernels import native as native_build
 from services.kernels.linear_candidates import LinearFn, candidates
 from services.kernels.onednn_packs import ONEDNN_PACKS, fits
@@ -51,13 +52,14 @@ def weight_key(weight: torch.Tensor | Int8Weight | Int4Weight) -> tuple:
 
 @dataclass
 class KernelPlan:
-    """The chosen kernel per weight key and bucket, and the decode attention's."""
+    """The chosen kernel per weight key and bucket, and the decode and prefill attention's."""
 
     linear_choices: dict[tuple, tuple[str, ...]]  # weight_key -> a candidate name per bucket
     attention_choice: str  # "torch" | "native"
     native: ModuleType | None
     device: torch.device
     packed_bytes: int = 0  # oneDNN packed copies kept beside their weights (onednn_packs.py)
+    prefill_choice: str = "torch"  # "torch" | "native"
     summary: str = ""
     _table: dict[tuple, tuple[LinearFn, ...]] = field(default_factory=dict, repr=False)
 
@@ -76,17 +78,18 @@ class KernelPlan:
     @property
     def decode_attention(self) -> DecodeKernel:
         if self.attention_choice == "native":
-            module = self.native
-
-            def native_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float):
-                return module.paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens_tensor,
-                                                     meta.block_size, scale)
-            return native_decode
+            return attention_choice.native_decode(self.native)
         return torch_decode_attention
+
+    @property
+    def prefill_attention(self) -> PrefillKernel | None:
+        """The native prefill kernel where it was chosen; None: paged_attention's SDPA path."""
+        return attention_choice.native_prefill(self.native) if self.prefill_choice == "native" else None
 
     def describe(self) -> dict[str, object]:
         """For stats() and logs: the native build's state and every choice."""
-        return {"native": self.native is not None, "attention": self.attention_choice, "packed_bytes": self.packed_bytes,
+        return {"native": self.native is not None, "attention": self.attention_choice,
+                "prefill_attention": self.prefill_choice, "packed_bytes": self.packed_bytes,
                 "linear": {"x".join(map(str, k[:-1])) + " " + k[-1]: dict(zip(BUCKETS, v))
                            for k, v in self.linear_choices.items()}}
 
@@ -95,7 +98,7 @@ class KernelPlan:
                dtype: torch.dtype, device: torch.device, mode: str = "auto") -> KernelPlan:
         """Measure (or read from the cache) the fastest kernel for each distinct weight and bucket.
 
-        attention_shape: (query heads, kv heads, head dim) of the decode attention.
+        attention_shape: (query heads, kv heads, head dim) of the attention.
         """
         if mode not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
@@ -126,25 +129,21 @@ class KernelPlan:
                     measured += len(found) > 1 and cache.put(entry, name)
                 names.append(name)
             choices[key] = tuple(names)
-        attention = "torch"
+        attention = prefill = "torch"
         if native is not None:
-            found = {"torch": torch_decode_attention, "native": cls({}, "native", native, device).decode_attention}
-            if mode == "native":
-                attention = "native"
-            else:
-                entry = "decode attention H{} K{} Dh{} {}".format(*attention_shape, dtype)
-                attention = cache.get(entry, found) or _fastest_attention(found, attention_shape, dtype)
-                measured += cache.put(entry, attention)
+            attention, prefill, timed = attention_choice.choose(native, cache, attention_shape, dtype, mode, _fastest)
+            measured += timed
         # Timings taken while other processes held our cores say little: use them for this run only.
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         busy = device.type == "cpu" and cpu < 0.7 * wall * torch.get_num_threads()
         if not busy:
             cache.save()
-        plan = cls(choices, attention, native, device, packed_bytes=_keep_chosen_packs(dense.values(), choices))
+        plan = cls(choices, attention, native, device, packed_bytes=_keep_chosen_packs(dense.values(), choices),
+                   prefill_choice=prefill)
         where = (f"measured {measured} in {wall:.1f} s{', host busy: not cached' if busy else ''}" if measured
                  else "from the cache")
         plan.summary = (f"kernels on {native_build.cpu_model()}, {torch.get_num_threads()} threads, mode {mode} "
-                        f"({where}): native {'built' if native else 'off'}; decode attention {attention}; "
+                        f"({where}): native {'built' if native else 'off'}; decode attention {attention}; prefill attention {prefill}; "
                         f"oneDNN packed copies {plan.packed_bytes / 2**20:.0f} MiB; linear "
                         + "; ".join(f"{k}: {'/'.join(v.values())}" for k, v in plan.describe()["linear"].items()))
         return plan
@@ -179,17 +178,6 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: i
             if round_ == 0:  # a candidate 3x slower than the best will not win: stop timing it
                 fns = {n: f for n, f in fns.items() if best[n] <= 3 * min(best.values())}
     return min(best, key=best.get)
-
-
-def _fastest_attention(fns: dict[str, DecodeKernel], shape: tuple[int, int, int], dtype: torch.dtype) -> str:
-    heads, kv_heads, head_dim = shape
-    num_seqs, context, block_size = 4, 256, 16
-    cache = torch.randn(2, num_seqs * context, kv_heads, head_dim).to(dtype)
-    q = torch.randn(num_seqs, heads, head_dim).to(dtype)
-    tables = torch.randperm(num_seqs * context // block_size).view(num_seqs, -1)
-    meta = AttentionMetadata.for_decode([context] * num_seqs, tables, block_size)
-    return _fastest({n: partial(f, q, cache, meta, head_dim**-0.5) for n, f in fns.items()},
-                    torch.device("cpu"), num_seqs)
 
 
 @dataclass
