@@ -91,8 +91,9 @@ def test_native_int4_linear_is_the_dequantized_product(native, kernel, dtype, ro
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_dequantization_is_the_reference(native, dtype):
     weight = Int4Weight.quantize(torch.randn(9, 172, generator=torch.Generator().manual_seed(1)))
-    got = native.int4_dequantize(weight.packed, weight.scale, weight.low, 172, dtype)
-    assert got.dtype == dtype and got.shape == (9, 172)
+    out = torch.full((9, 172), float("nan"), dtype=dtype)
+    got = native.int4_dequantize(weight.packed, weight.scale, weight.low, out)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype and got.shape == (9, 172)
     torch.testing.assert_close(got, weight.dequantize(torch.float32).to(dtype), rtol=1e-6 if dtype == torch.float32
                                else None, atol=1e-6 if dtype == torch.float32 else None)
 
@@ -105,7 +106,11 @@ def test_native_refuses_mismatched_shapes(native):
     with pytest.raises(RuntimeError, match="scale and low must be contiguous float16"):
         native.int4_linear(torch.ones(1, 64), weight.packed, weight.scale.float(), weight.low, None)
     with pytest.raises(RuntimeError, match="dequantizes to float32, bfloat16 or float16"):
-        native.int4_dequantize(weight.packed, weight.scale, weight.low, 64, torch.float64)
+        native.int4_dequantize(weight.packed, weight.scale, weight.low, torch.empty(3, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="out must be a contiguous CPU"):
+        native.int4_dequantize(weight.packed, weight.scale, weight.low, torch.empty(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="in_features must lie in the last 64-column block"):
+        native.int4_dequantize(weight.packed, weight.scale, weight.low, torch.empty(3, 65, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("in_features", [40, 64])

@@ -13,14 +13,14 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
-                              int64_t in_features, at::ScalarType dtype);
+                              torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]), few rows of x",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("rows") = 1);
   m.def("int4_linear", &int4_linear, "y[M, N] = x[M, K] @ W^T (+ bias[N]), W group-wise int4 (int4_weight.py)");
   m.def("int4_tiled_linear", &int4_tiled_linear, "int4_linear for several rows: W dequantized 16 rows at a time");
-  m.def("int4_dequantize", &int4_dequantize, "W [N, in_features] in dtype, from group-wise int4");
+  m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,
         "one sequence's T new tokens, causally over its context in the paged pool (in place)");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence over the paged pool, in place");

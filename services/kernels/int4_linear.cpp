@@ -161,11 +161,15 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 }
 
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
-                              int64_t in_features, at::ScalarType dtype) {
-  // -> [N, in_features] in dtype, for a dense product over many rows (prefill)
+                              torch::Tensor out) {
+  // -> out [N, in_features] (float32 / bfloat16 / float16), for a dense product over many rows (prefill).
+  // The caller's buffer, reused: a fresh 64 MB result is a fresh mapping whose pages fault in (dequant_buffer.py)
   const Int4Args w = check(packed, scale, low);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.device().is_cpu() && out.size(0) == w.N,
+              "out must be a contiguous CPU [N, in_features] tensor");
+  const int64_t in_features = out.size(1);
+  const at::ScalarType dtype = out.scalar_type();
   TORCH_CHECK(in_features <= w.Kp && in_features > w.Kp - kBlock, "in_features must lie in the last 64-column block");
-  torch::Tensor out = torch::empty({w.N, in_features}, packed.options().dtype(dtype));
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();

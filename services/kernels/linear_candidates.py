@@ -58,7 +58,8 @@ def _int4_dequant_linear(native: ModuleType | None) -> LinearFn:
     # many rows (prefill): the product is compute-bound, so W is dequantized once and multiplied densely
     def dequant_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         if native is not None and x.device.type == "cpu":
-            dense = native.int4_dequantize(weight.packed, weight.scale, weight.low, weight.in_features, x.dtype)
+            out = DEQUANT_BUFFER.scratch((weight.shape[0], weight.in_features), x.dtype, x.device)
+            dense = native.int4_dequantize(weight.packed, weight.scale, weight.low, out)
         else:
             dense = weight.dequantize(x.dtype)
         return F.linear(x, dense, bias)
