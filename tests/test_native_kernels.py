@@ -126,6 +126,8 @@ def prefill_reference(q, cache, table, context_len, block_size, scale):
     (33, 33, 3, 1, 24),  # an odd head dim (16 lanes + 8 left over), ratio 3
     (50, 90, 8, 2, 40),
     (5, 77, 4, 4, 16),  # a short chunk far into its context
+    (150, 150, 8, 2, 64),  # several key blocks, the diagonal inside them
+    (96, 300, 4, 1, 32),  # ratio 4 after a prefix, the chunk starting mid-block
 ])
 def test_prefill_attention_matches_the_gather_and_sdpa_reference(native, dtype, new_tokens, context_len, heads,
                                                                  kv_heads, head_dim):
@@ -168,6 +170,8 @@ def test_prefill_attention_refuses_what_it_cannot_read(native):
         native.prefill_attention(q, cache, torch.tensor([0, 99, 1]), 40, 16, 1.0)
     with pytest.raises(RuntimeError, match="K must divide H"):
         native.prefill_attention(q[:, :3], cache, table, 40, 16, 1.0)
+    with pytest.raises(RuntimeError, match="scale must be positive, got 0"):
+        native.prefill_attention(q, cache, table, 40, 16, 0.0)
 
 
 def test_load_returns_none_and_says_why_when_compiling_fails(monkeypatch, caplog):

@@ -4,7 +4,7 @@
 //
 // Legend: T new tokens (queries), C context length (cached prefix + the T new tokens, all already
 // in the pool), H query heads, K kv heads (G = H / K query heads share one), Dh head dim, S pool
-// slots, N keys per key block (32), M query positions per task, R = M * G query rows per task,
+// slots, N keys per key block (64), M query positions per task, R = M * G query rows per task,
 // Pr elements per 32-bit lane of a packed operand (2 for bf16 pairs, 1 for float32).
 //   q:           [T, H, Dh]    float32 / bfloat16 / float16, rows strided (a view of the fused qkv
 //                              product is read in place); query j sits at position C - T + j
@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 
 #include "softmax_math.h"
@@ -35,7 +36,9 @@
 
 namespace {
 
-constexpr int64_t kKeys = 32;  // N: keys per block, two 16-lane vectors of scores per query row
+// N: keys per block, four 16-lane vectors of scores per query row (measured: 64 keys amortize the
+// softmax's per-block reductions and rescaling ~10% better than 32)
+constexpr int64_t kKeys = 64;
 
 template <typename E> constexpr int64_t kPair = 1;  // Pr of a packed element type
 template <> constexpr int64_t kPair<at::BFloat16> = 2;
@@ -61,14 +64,14 @@ template <> inline __m512 madd<at::BFloat16>(__m512 acc, __m512 a, __m512 b) {
 }
 #endif
 
-// c [RT, 16 VT] += a [RT, steps * Pr] . b [steps, 16 VT * Pr] (float32 accumulators in registers;
+// c [RT, 16 VT] (+)= a [RT, steps * Pr] . b [steps, 16 VT * Pr] (float32 accumulators in registers;
 // each step loads VT vectors of b once for the RT rows).
 template <typename E, int RT, int VT>
-inline void tile(const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c, int64_t ldc) {
+inline void tile(const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c, int64_t ldc, bool add) {
   constexpr int64_t Pr = kPair<E>;
   __m512 acc[RT][VT];
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) acc[r][v] = _mm512_loadu_ps(c + r * ldc + 16 * v);
+    for (int v = 0; v < VT; ++v) acc[r][v] = add ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     __m512 bv[VT];
     for (int v = 0; v < VT; ++v) bv[v] = lanes(b + s * ldb + 16 * Pr * v);
@@ -83,39 +86,42 @@ inline void tile(const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps
 
 template <typename E, int RT, int VT>  // the last rows < RT of a column strip
 inline void tail_rows(int64_t rows, const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c,
-                      int64_t ldc) {
+                      int64_t ldc, bool add) {
   if constexpr (RT > 0) {
-    if (rows == RT) tile<E, RT, VT>(a, lda, b, ldb, steps, c, ldc);
-    else tail_rows<E, RT - 1, VT>(rows, a, lda, b, ldb, steps, c, ldc);
+    if (rows == RT) tile<E, RT, VT>(a, lda, b, ldb, steps, c, ldc, add);
+    else tail_rows<E, RT - 1, VT>(rows, a, lda, b, ldb, steps, c, ldc, add);
   }
 }
 
 template <typename E, int VT>  // one strip of 16 VT columns, all rows; 16-ish accumulators per tile
 inline void strip(int64_t rows, const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c,
-                  int64_t ldc) {
+                  int64_t ldc, bool add) {
   constexpr int RT = VT >= 4 ? 4 : 8;
   int64_t r = 0;
-  for (; r + RT <= rows; r += RT) tile<E, RT, VT>(a + r * lda, lda, b, ldb, steps, c + r * ldc, ldc);
-  tail_rows<E, RT - 1, VT>(rows - r, a + r * lda, lda, b, ldb, steps, c + r * ldc, ldc);
+  for (; r + RT <= rows; r += RT) tile<E, RT, VT>(a + r * lda, lda, b, ldb, steps, c + r * ldc, ldc, add);
+  tail_rows<E, RT - 1, VT>(rows - r, a + r * lda, lda, b, ldb, steps, c + r * ldc, ldc, add);
 }
 #endif
 
-// c [rows, cols] += a [rows, steps * Pr] . b [steps, cols * Pr] (b's Pr elements of a column adjacent).
+// c [rows, cols] = (add ? c : 0) + a [rows, steps * Pr] . b [steps, ldb / Pr >= cols, Pr] (b's Pr
+// elements of a column adjacent).
 template <typename E>
-void gemm(const E* a, int64_t lda, const E* b, int64_t steps, float* c, int64_t ldc, int64_t rows, int64_t cols) {
+void gemm(const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c, int64_t ldc, int64_t rows,
+          int64_t cols, bool add) {
   constexpr int64_t Pr = kPair<E>;
-  const int64_t ldb = cols * Pr;
   int64_t col = 0;
 #if defined(__AVX512F__)
-  for (; col + 64 <= cols; col += 64) strip<E, 4>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc);
-  for (; col + 32 <= cols; col += 32) strip<E, 2>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc);
-  for (; col + 16 <= cols; col += 16) strip<E, 1>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc);
+  for (; col + 64 <= cols; col += 64) strip<E, 4>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
+  for (; col + 32 <= cols; col += 32) strip<E, 2>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
+  for (; col + 16 <= cols; col += 16) strip<E, 1>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
 #endif
-  for (int64_t r = 0; r < rows && col < cols; ++r)  // the columns left over (Dh not a multiple of 16)
+  for (int64_t r = 0; r < rows && col < cols; ++r) {  // the columns left over (Dh not a multiple of 16)
+    if (!add) std::fill(c + r * ldc + col, c + r * ldc + cols, 0.f);
     for (int64_t s = 0; s < steps * Pr; ++s) {
       const float x = to_float(a[r * lda + s]);
       for (int64_t j = col; j < cols; ++j) c[r * ldc + j] += x * to_float(b[(s / Pr) * ldb + j * Pr + s % Pr]);
     }
+  }
 }
 
 // Key block kb of kv head kh, packed for the products: kp [Dh / Pr, N, Pr] (the scores' b: keys are
@@ -130,6 +136,13 @@ void pack_block(const T* keys, const T* values, const int64_t* table, int64_t bl
     const int64_t slot = pos < C ? table[pos / block_size] * block_size + pos % block_size : 0;
     const T* k = keys + (slot * K + kh) * Dh;
     const T* v = values + (slot * K + kh) * Dh;
+    if constexpr (std::is_same_v<E, T>) {  // the pool holds E already: copies, no rounding
+      if (pos < C) {
+        for (int64_t d = 0; d < Dh; d += Pr) std::memcpy(kp + d * kKeys + n * Pr, k + d, Pr * sizeof(E));
+        for (int64_t d = 0; d < Dh; ++d) std::memcpy(vp + (n / Pr) * Dh * Pr + d * Pr + n % Pr, v + d, sizeof(E));
+        continue;
+      }
+    }
     for (int64_t d = 0; d < Dh; ++d) {
       kp[(d / Pr) * kKeys * Pr + n * Pr + d % Pr] = static_cast<E>(pos < C ? scalar_to_float(k[d]) : 0.f);
       vp[(n / Pr) * Dh * Pr + d * Pr + n % Pr] = static_cast<E>(pos < C ? scalar_to_float(v[d]) : 0.f);
@@ -137,50 +150,65 @@ void pack_block(const T* keys, const T* values, const int64_t* table, int64_t bl
   }
 }
 
-// One key block's online-softmax step for row r: s [N] raw scores, of which the first `visible`
-// count (the causal bound); p [N] gets exp(scale s - new max) (zeros past `visible`), o [Dh] and the
-// row's sum are rescaled to the new max.
+// One key block's online-softmax step for row r: s [N] raw scores q.k, of which the first `visible`
+// count (the causal bound); p [N] gets e^(scale (s - new max)), zeros past `visible`; o [Dh] and the
+// row's sums [16] (partial sums, one per vector lane) are rescaled to the new max. Maxes are kept in
+// raw score units (scale > 0), so each score costs one FMA before its exponential.
 template <typename E>
-void softmax_step(const float* s, int64_t visible, float scale, float& max, float& sum, E* p, float* o, int64_t Dh) {
+void softmax_step(const float* s, int64_t visible, float scale, float& max, float* sums, E* p, float* o, int64_t Dh) {
   visible = std::min(visible, kKeys);
   if (visible <= 0) {  // a block wholly after this row's position
     std::fill(p, p + kKeys, static_cast<E>(0.f));
     return;
   }
-  float block_max = -std::numeric_limits<float>::infinity(), block_sum = 0.f;
+  constexpr int64_t V = kKeys / 16;
+  float new_max = max, alpha = 1.f;
 #if defined(__AVX512F__)
-  const uint32_t bits = visible >= 32 ? 0xFFFFFFFFu : (1u << visible) - 1;
-  const __mmask16 lo = bits & 0xFFFF, hi = bits >> 16;
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), k = _mm512_set1_ps(scale);
-  const __m512 s0 = _mm512_mul_ps(_mm512_mask_loadu_ps(minus_inf, lo, s), k);
-  const __m512 s1 = _mm512_mul_ps(_mm512_mask_loadu_ps(minus_inf, hi, s + 16), k);
-  block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-  const float new_max = std::max(max, block_max);
-  const __m512 m = _mm512_set1_ps(new_max);
-  const __m512 e0 = _mm512_maskz_mov_ps(lo, exp_nonpositive(_mm512_sub_ps(s0, m)));
-  const __m512 e1 = _mm512_maskz_mov_ps(hi, exp_nonpositive(_mm512_sub_ps(s1, m)));
-  block_sum = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-  if constexpr (std::is_same_v<E, float>) {
-    _mm512_storeu_ps(p, e0);
-    _mm512_storeu_ps(p + 16, e1);
-  } else {
+  // bf16 probabilities need less of the exponential's precision than float32 ones
+  constexpr int kDegree = std::is_same_v<E, float> ? 6 : 4;
+  const float log2e_scale = 1.44269504f * scale;
+  __m512 sv[V];
+  __mmask16 lanes[V];
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t v = 0; v < V; ++v) {
+    const int64_t in = std::clamp<int64_t>(visible - 16 * v, 0, 16);
+    lanes[v] = static_cast<__mmask16>((1u << in) - 1);
+    sv[v] = _mm512_mask_loadu_ps(vmax, lanes[v], s + 16 * v);  // -inf past `visible`
+    vmax = _mm512_max_ps(vmax, sv[v]);
+  }
+  new_max = std::max(max, _mm512_reduce_max_ps(vmax));
+  if (new_max > max)  // 0 on the first block (max = -inf)
+    alpha = _mm_cvtss_f32(_mm512_castps512_ps128(
+        exp2_nonpositive<kDegree>(_mm512_set1_ps(std::max((max - new_max) * log2e_scale, -150.f)))));
+  const __m512 c = _mm512_set1_ps(log2e_scale), shift = _mm512_set1_ps(-new_max * log2e_scale);
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(alpha));
+  __m512 e[V];
+  for (int64_t v = 0; v < V; ++v) {
+    e[v] = _mm512_maskz_mov_ps(lanes[v], exp2_nonpositive<kDegree>(_mm512_fmadd_ps(sv[v], c, shift)));
+    sum = _mm512_add_ps(sum, e[v]);
+  }
+  _mm512_storeu_ps(sums, sum);
+  for (int64_t v = 0; v < V; ++v) {
+    if constexpr (std::is_same_v<E, float>) {
+      _mm512_storeu_ps(p + 16 * v, e[v]);
+    } else {
 #if defined(__AVX512BF16__)
-    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // e0 in the low half
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * v), (__m256i)_mm512_cvtneps_pbh(e[v]));
 #endif
+    }
   }
 #else
-  for (int64_t n = 0; n < visible; ++n) block_max = std::max(block_max, scale * s[n]);
-  const float new_max = std::max(max, block_max);
+  for (int64_t n = 0; n < visible; ++n) new_max = std::max(new_max, s[n]);
+  alpha = std::exp(scale * (max - new_max));  // 0 on the first block (max = -inf)
+  sums[0] *= alpha;
   for (int64_t n = 0; n < kKeys; ++n) {
-    const float e = n < visible ? std::exp(scale * s[n] - new_max) : 0.f;
+    const float e = n < visible ? std::exp(scale * (s[n] - new_max)) : 0.f;
     p[n] = static_cast<E>(e);
-    block_sum += e;
+    sums[0] += e;
   }
 #endif
-  const float alpha = std::exp(max - new_max);  // 0 on the first block (max = -inf)
   if (alpha != 1.f)
     for (int64_t d = 0; d < Dh; ++d) o[d] *= alpha;
-  sum = sum * alpha + block_sum;
   max = new_max;
 }
 
@@ -206,7 +234,7 @@ void attend(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* 
   std::atomic<int64_t> next{0};  // tasks handed out longest first (the last positions see the most keys)
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<E> qt(R_max * Dh), p(R_max * kKeys);  // [R, Dh], [R, N]
-    std::vector<float> o(R_max * Dh), s(R_max * kKeys), maxes(R_max), sums(R_max);  // [R, Dh], [R, N], [R]
+    std::vector<float> o(R_max * Dh), s(R_max * kKeys), maxes(R_max), sums(R_max * 16);  // [R, Dh], [R, N], [R], [R, 16]
     for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
       const int64_t qb = query_blocks - 1 - task / K, kh = task % K;
       const int64_t j0 = qb * M, rows_m = std::min(M, T_len - j0), R = rows_m * G;  // queries j0 .. j0 + rows_m - 1
@@ -216,21 +244,23 @@ void attend(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* 
       }
       std::fill(o.begin(), o.begin() + R * Dh, 0.f);
       std::fill(maxes.begin(), maxes.begin() + R, -std::numeric_limits<float>::infinity());
-      std::fill(sums.begin(), sums.begin() + R, 0.f);
+      std::fill(sums.begin(), sums.begin() + R * 16, 0.f);
       const int64_t last = first + j0 + rows_m - 1;  // the task's last position: keys 0 .. last
       for (int64_t kb = 0; kb <= last / kKeys; ++kb) {
         const E* kblock = kp + (kh * key_blocks + kb) * block_elems;
         const E* vblock = vp + (kh * key_blocks + kb) * block_elems;
-        std::fill(s.begin(), s.begin() + R * kKeys, 0.f);
-        gemm(qt.data(), Dh, kblock, Dh / kPair<E>, s.data(), kKeys, R, kKeys);  // s = q k^T
+        // the keys up to the task's last position, in whole vectors: fewer on the diagonal block
+        const int64_t cols = std::min(kKeys, (last - kb * kKeys + 16) / 16 * 16);
+        gemm(qt.data(), Dh, kblock, kKeys * kPair<E>, Dh / kPair<E>, s.data(), kKeys, R, cols, false);  // s = q k^T
         for (int64_t r = 0; r < R; ++r)  // row r sees keys up to its own position
-          softmax_step(s.data() + r * kKeys, first + j0 + r / G - kb * kKeys + 1, scale, maxes[r], sums[r],
+          softmax_step(s.data() + r * kKeys, first + j0 + r / G - kb * kKeys + 1, scale, maxes[r], sums.data() + r * 16,
                        p.data() + r * kKeys, o.data() + r * Dh, Dh);
-        gemm(p.data(), kKeys, vblock, kKeys / kPair<E>, o.data(), Dh, R, Dh);  // o += p v
+        gemm(p.data(), kKeys, vblock, Dh * kPair<E>, cols / kPair<E>, o.data(), Dh, R, Dh, true);  // o += p v
       }
       for (int64_t r = 0; r < R; ++r) {
         T* dst = out + ((j0 + r / G) * H + kh * G + r % G) * Dh;
-        for (int64_t d = 0; d < Dh; ++d) dst[d] = static_cast<T>(o[r * Dh + d] / sums[r]);
+        const float sum = std::accumulate(sums.begin() + r * 16, sums.begin() + (r + 1) * 16, 0.f);
+        for (int64_t d = 0; d < Dh; ++d) dst[d] = static_cast<T>(o[r * Dh + d] / sum);
       }
     }
   });
@@ -262,6 +292,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kLong, "block_table [max_blocks] int64");
   const int64_t T_len = q.size(0), H = q.size(1), Dh = q.size(2), S = kv_cache.size(1), K = kv_cache.size(2);
   TORCH_CHECK(kv_cache.size(3) == Dh && H % K == 0, "head dims must agree and K must divide H");
+  TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);  // the running maxima are of unscaled scores
   TORCH_CHECK(block_size > 0 && S % block_size == 0, "block_size ", block_size, " must divide the pool's ", S, " slots");
   TORCH_CHECK(T_len >= 1 && context_len >= T_len, "context_len ", context_len, " must cover the ", T_len, " queries");
   const int64_t used = (context_len + block_size - 1) / block_size;
