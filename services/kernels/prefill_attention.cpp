@@ -52,23 +52,48 @@ template <typename E, typename T>
 void pack_block(const T* keys, const T* values, const int64_t* table, int64_t block_size, int64_t K, int64_t kh,
                 int64_t Dh, int64_t kb, int64_t C, E* kp, E* vp) {
   constexpr int64_t Pr = kPair<E>;
+  const T* krows[kKeys];  // each key's row [Dh] in the pool; nullptr past the context
+  const T* vrows[kKeys];
   for (int64_t n = 0; n < kKeys; ++n) {
     const int64_t pos = kb * kKeys + n;
-    const int64_t slot = pos < C ? table[pos / block_size] * block_size + pos % block_size : 0;
-    const T* k = keys + (slot * K + kh) * Dh;
-    const T* v = values + (slot * K + kh) * Dh;
-    if constexpr (std::is_same_v<E, T>) {  // the pool holds E already: copies, no rounding
-      if (pos < C) {
-        for (int64_t d = 0; d < Dh; d += Pr) std::memcpy(kp + d * kKeys + n * Pr, k + d, Pr * sizeof(E));
-        for (int64_t d = 0; d < Dh; ++d) std::memcpy(vp + (n / Pr) * Dh * Pr + d * Pr + n % Pr, v + d, sizeof(E));
-        continue;
+    const int64_t slot = pos < C ? table[pos / block_size] * block_size + pos % block_size : -1;
+    krows[n] = slot < 0 ? nullptr : keys + (slot * K + kh) * Dh;
+    vrows[n] = slot < 0 ? nullptr : values + (slot * K + kh) * Dh;
+  }
+  if constexpr (std::is_same_v<E, T>) {  // the pool holds E already: copies, no rounding
+    for (int64_t n = 0; n < kKeys; ++n)  // a key's Pr elements at a time, one per column of keys
+      for (int64_t d = 0; d < Dh; d += Pr) {
+        if (krows[n] != nullptr) std::memcpy(kp + d * kKeys + n * Pr, krows[n] + d, Pr * sizeof(E));
+        else std::memset(kp + d * kKeys + n * Pr, 0, Pr * sizeof(E));
+      }
+#if defined(__AVX512BF16__)
+    if constexpr (Pr == 2) {
+      if (Dh % 16 == 0) {  // values 16 pairs at a time: key n in each 32-bit lane's low half, n + 1 in its high
+        auto half = [](const T* row, int64_t d) {  // 16 elements, each in the low half of a 32-bit lane
+          return row == nullptr ? _mm512_setzero_si512()
+                                : _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d)));
+        };
+        for (int64_t n = 0; n < kKeys; n += 2)
+          for (int64_t d = 0; d < Dh; d += 16)
+            _mm512_storeu_si512(vp + n * Dh + d * 2,
+                                _mm512_or_si512(half(vrows[n], d), _mm512_slli_epi32(half(vrows[n + 1], d), 16)));
+        return;
       }
     }
-    for (int64_t d = 0; d < Dh; ++d) {
-      kp[(d / Pr) * kKeys * Pr + n * Pr + d % Pr] = static_cast<E>(pos < C ? scalar_to_float(k[d]) : 0.f);
-      vp[(n / Pr) * Dh * Pr + d * Pr + n % Pr] = static_cast<E>(pos < C ? scalar_to_float(v[d]) : 0.f);
-    }
+#endif
+    for (int64_t n = 0; n < kKeys; ++n)
+      for (int64_t d = 0; d < Dh; ++d) {
+        E* dst = vp + (n / Pr) * Dh * Pr + d * Pr + n % Pr;
+        if (vrows[n] != nullptr) std::memcpy(dst, vrows[n] + d, sizeof(E));
+        else std::memset(dst, 0, sizeof(E));
+      }
+    return;
   }
+  for (int64_t n = 0; n < kKeys; ++n)
+    for (int64_t d = 0; d < Dh; ++d) {
+      kp[(d / Pr) * kKeys * Pr + n * Pr + d % Pr] = static_cast<E>(krows[n] ? scalar_to_float(krows[n][d]) : 0.f);
+      vp[(n / Pr) * Dh * Pr + d * Pr + n % Pr] = static_cast<E>(vrows[n] ? scalar_to_float(vrows[n][d]) : 0.f);
+    }
 }
 
 // One key block's online-softmax step for row r: s [N] raw scores q.k, of which the first `visible`
