@@ -16,8 +16,9 @@ MODEL_HELP = ("a model folder, a .gguf file (converted once into the cache), a p
 def kernel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("none", *QUANTIZATIONS), default="none",
                         help="quantization of the linear layers, made at load: weight-only int8 (per output "
-                             "channel) or int4 (per 32 columns, lm_head int8); w8a8: int8 weights whose products "
-                             "may round each activation row to int8 too, where that is faster (prefill, batches)")
+                             "channel) or int4 (per 32 columns, lm_head int8); w8a8: int8 weights, and every product "
+                             "rounds each activation row to int8 too (int8 x int8: fast prefill; for decode "
+                             "workers int8 is faster)")
     parser.add_argument("--kernels", choices=KERNEL_MODES, default=None,
                         help="auto (default, or $PDSERVE_KERNELS): the fastest kernels measured on this host "
                              "(cached); torch: torch's only; native: the native CPU kernels wherever they run")

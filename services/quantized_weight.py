@@ -3,8 +3,9 @@
 Decode reads every weight once per step, so its speed is the bytes it reads; int8 halves bf16's,
 int4 (services/int4_weight.py) takes 0.625 bytes a weight. Activations, the KV cache and the KV
 hand-off stay in the compute dtype: only the weights change. Except in "w8a8": the same int8 weights,
-whose products may also round each activation row to int8 (dynamic, symmetric) where one int8 x int8
-product is faster (VNNI/AMX: many-row products, i.e. prefill and batched decode, are compute-bound).
+whose products on a CPU also round each activation row to int8 (dynamic, symmetric) and multiply int8 x int8
+(VNNI/AMX: many-row products, i.e. prefill and batched decode, are compute-bound) — every product, whatever
+its row count, so an answer never depends on how many rows shared its step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Int8Weight:
 
     qweight: torch.Tensor  # [N, K] int8, values in [-127, 127]
     scale: torch.Tensor  # [N] float32
-    dynamic_activations: bool = False  # "w8a8": products may quantize x per row too
+    dynamic_activations: bool = False  # "w8a8": products quantize x per row too
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dynamic_activations: bool = False) -> Int8Weight:

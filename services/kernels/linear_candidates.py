@@ -118,15 +118,18 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
             if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
                 found["native.tiled"] = _native_int4(native.int4_tiled_linear)
         return found
-    if weight_format in ("int8", "w8a8"):
+    if weight_format == "w8a8" and on_cpu:
+        # every product rounds its activations, whatever its row count: a request's answer must not depend on
+        # how many rows share its step (a prefix-cache hit, a batch) — a weight-only kernel here would compute
+        # a different model for the few-row products
+        return {"int8.dynamic": _int8_dynamic_mm}
+    if weight_format in ("int8", "w8a8"):  # w8a8 off the CPU: weight-only, as int8 (no dynamic product there)
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear}
         # torch's weight-only kernel is made for few rows; beyond 64 (prefill) the product is
         # compute-bound and one dequantized dense product wins. It crashes (SIGSEGV, torch 2.13) on
         # widths that are not a multiple of 16.
         if on_cpu and in_features % 32 == 0 and max_rows <= 64:
             found["torch.int8pack"] = _int8_pack_mm
-        if weight_format == "w8a8" and on_cpu:
-            found["int8.dynamic"] = _int8_dynamic_mm
     else:
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:
