@@ -13,7 +13,9 @@
 // stream 16-bit weights at half the read bandwidth on some hosts (see issue "decode at the
 // bandwidth limit"); this loop converts each W element in registers, reads each thread's rows as one
 // sequential stream, and keeps four accumulators in flight, so the only limit is how fast memory
-// delivers W. Threads split N.
+// delivers W. Threads split N. The float32 loop is written once over FloatVec (vec_load.h): 16 lanes
+// with AVX-512, 8 with AVX2 (an AVX2-only Zen 3: bf16 W at 28.6 GB/s against torch's 20, see
+// docs/kernels.md).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -36,15 +38,15 @@ inline int64_t paired_index(int64_t k, int64_t K) {
   return k - r + (i < 8 ? 8 * lane + i : 32 + 8 * lane + i - 8);
 }
 
-#if defined(__AVX512F__)
+#if defined(PDSERVE_FLOAT_VEC)
 // The MT x kAcc accumulators (W row r uses r * kAcc / R ...), summed into acc[m][r].
-template <int MT, int R>
-inline void reduce_rows(__m512 vacc[][kAcc], float acc[kMaxTileM][kAcc]) {
+template <typename Vec, int MT, int R>
+inline void reduce_rows(typename Vec::V vacc[][kAcc], float acc[kMaxTileM][kAcc]) {
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) {
-      __m512 sum = vacc[m][r * (kAcc / R)];
-      for (int a = 1; a < kAcc / R; ++a) sum = _mm512_add_ps(sum, vacc[m][r * (kAcc / R) + a]);
-      acc[m][r] = _mm512_reduce_add_ps(sum);
+      typename Vec::V sum = vacc[m][r * (kAcc / R)];
+      for (int a = 1; a < kAcc / R; ++a) sum = Vec::add(sum, vacc[m][r * (kAcc / R) + a]);
+      acc[m][r] = Vec::sum(sum);
     }
 }
 #endif
@@ -105,7 +107,7 @@ void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMa
           vacc[m][r * kPhases + a] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(vacc[m][r * kPhases + a], xa, wa[r]), xb, wb[r]);
       }
     }
-    reduce_rows<MT, R>(vacc, acc);
+    reduce_rows<FloatVec, MT, R>(vacc, acc);
   } else
 #endif
 #if defined(__AVX512BF16__)
@@ -124,32 +126,33 @@ void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMa
         for (int r = 0; r < R; ++r) vacc[m][r * kPhases + a] = _mm512_dpbf16_ps(vacc[m][r * kPhases + a], xv, wv[r]);
       }
     }
-    reduce_rows<MT, R>(vacc, acc);
+    reduce_rows<FloatVec, MT, R>(vacc, acc);
   } else
 #endif
   {
-#if defined(__AVX512F__)
-    if constexpr (!std::is_same_v<X, PairedBf16>) {
-      __m512 vacc[MT][kAcc];
+#if defined(PDSERVE_FLOAT_VEC)
+    if constexpr (!std::is_same_v<X, PairedBf16>) {  // both converted to float32, FloatVec::kLanes at a time
+      constexpr int64_t L = FloatVec::kLanes;
+      typename FloatVec::V vacc[MT][kAcc];
       for (int m = 0; m < MT; ++m)
-        for (int a = 0; a < kAcc; ++a) vacc[m][a] = _mm512_setzero_ps();
-      for (int a = 0; k + 16 <= K; k += 16, a = (a + 1) % kPhases) {
-        __m512 wv[R];
+        for (int a = 0; a < kAcc; ++a) vacc[m][a] = FloatVec::zero();
+      for (int a = 0; k + L <= K; k += L, a = (a + 1) % kPhases) {
+        typename FloatVec::V wv[R];
         for (int r = 0; r < R; ++r) {
           if (R > 1 && (k * static_cast<int64_t>(sizeof(W))) % 64 == 0)
             _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
-          wv[r] = load16(w + r * K + k);
+          wv[r] = FloatVec::load(w + r * K + k);
         }
         for (int m = 0; m < MT; ++m) {
-          const __m512 xv = load16(x + m * x_stride + k);
-          for (int r = 0; r < R; ++r) vacc[m][r * kPhases + a] = _mm512_fmadd_ps(xv, wv[r], vacc[m][r * kPhases + a]);
+          const typename FloatVec::V xv = FloatVec::load(x + m * x_stride + k);
+          for (int r = 0; r < R; ++r) vacc[m][r * kPhases + a] = FloatVec::fma(xv, wv[r], vacc[m][r * kPhases + a]);
         }
       }
-      reduce_rows<MT, R>(vacc, acc);
+      reduce_rows<FloatVec, MT, R>(vacc, acc);
     }
 #endif
   }
-  for (; k < K; ++k) {  // the tail (or, without AVX-512, everything: the compiler vectorizes it)
+  for (; k < K; ++k) {  // the tail (or, without AVX2 or AVX-512, everything: the compiler vectorizes it)
     const int64_t at = std::is_same_v<X, PairedBf16> ? paired_index(k, K) : k;
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] += scalar_to_float(x[m * x_stride + at]) * scalar_to_float(w[r * K + k]);
