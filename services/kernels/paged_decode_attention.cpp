@@ -10,10 +10,10 @@
 //
 // Each (sequence, kv head) pair is one task: scores of its G query heads against every key
 // (float32), a softmax, then the values weighted by it. Every key and value is read once for the G
-// heads that share it, which is all decode attention must read. With AVX-512 and Dh a multiple of
-// 16, each key and value row is loaded once as float32 vectors and the softmax's exp is a
-// polynomial on 16 scores at a time; elsewhere the same loops run scalar (the compiler vectorizes
-// what it can).
+// heads that share it, which is all decode attention must read. With AVX-512 (or AVX2) and Dh a
+// multiple of 16, each key and value row is loaded once as float32 vectors and the softmax's exp is
+// a polynomial on 16 (8) scores at a time; elsewhere the same loops run scalar (the compiler
+// vectorizes what it can).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -59,12 +59,29 @@ inline void softmax_numerators(float* scores, int64_t T_len, int64_t Q, const fl
     _mm512_mask_storeu_ps(sums + h, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums + h), sum));
   }
 #else
-  for (int64_t t = 0; t < T_len; ++t)
-    for (int64_t h = 0; h < Q; ++h) {
-      float& p = scores[t * Q + h];
-      p = std::exp(p - maxes[h]);
-      sums[h] += p;
+  int64_t done = 0;  // scores done: all of them where 8 lanes fit the head layout
+#if defined(__AVX2__) && defined(__FMA__)
+  // 8 scores at a time over the flat [T * Q] scores, where the heads tile the lanes: Q divides 8
+  // (lane i is head i % Q in every vector) or 8 divides Q (lanes h0 .. h0 + 7 of each token's row)
+  if (8 % Q == 0 || Q % 8 == 0) {
+    const int64_t n = T_len * Q / 8 * 8, period = std::max<int64_t>(Q, 8);
+    std::vector<float> lane_max(period), lane_sum(period, 0.f);
+    for (int64_t i = 0; i < period; ++i) lane_max[i] = maxes[i % Q];
+    for (int64_t j = 0; j < n; j += 8) {
+      const int64_t lane = j % period;
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_loadu_ps(&lane_max[lane])));
+      _mm256_storeu_ps(scores + j, e);
+      _mm256_storeu_ps(&lane_sum[lane], _mm256_add_ps(_mm256_loadu_ps(&lane_sum[lane]), e));
     }
+    for (int64_t i = 0; i < period; ++i) sums[i % Q] += lane_sum[i];
+    done = n;
+  }
+#endif
+  for (int64_t j = done; j < T_len * Q; ++j) {
+    float& p = scores[j];
+    p = std::exp(p - maxes[j % Q]);
+    sums[j % Q] += p;
+  }
 #endif
 }
 
@@ -124,6 +141,20 @@ inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, floa
     maxes[g] = std::max(maxes[g], out[g]);
   }
 }
+#elif defined(PDSERVE_FLOAT_VEC)
+// The same with 8-lane vectors (AVX2): the key row loaded once as float32, one sum per head.
+template <typename T>
+inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, float* out, float* maxes) {
+  constexpr int64_t L = FloatVec::kLanes;
+  typename FloatVec::V kv[256 / L];
+  for (int64_t d = 0; d < Dh / L; ++d) kv[d] = FloatVec::load(k + L * d);
+  for (int64_t g = 0; g < G; ++g) {
+    typename FloatVec::V v = FloatVec::zero();
+    for (int64_t d = 0; d < Dh / L; ++d) v = FloatVec::fma(FloatVec::load(qf + g * Dh + L * d), kv[d], v);
+    out[g] = FloatVec::sum(v);
+    maxes[g] = std::max(maxes[g], out[g]);
+  }
+}
 #endif
 
 // One task: a sequence's kv heads kh0 .. kh0 + nkh - 1 and their query heads (Q = nkh * G, in order).
@@ -138,7 +169,7 @@ void attend_task(const float* qf, const T* keys, const T* values, const int64_t*
   for_each_token(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nkh; ++j) {
       const T* k = row + j * Dh;
-#if defined(__AVX512F__)
+#if defined(PDSERVE_FLOAT_VEC)
       if (vectorized) {
         score_heads(qf + j * G * Dh, k, G, Dh, scores + t * Q + j * G, maxes.data() + j * G);
         continue;
@@ -158,13 +189,13 @@ void attend_task(const float* qf, const T* keys, const T* values, const int64_t*
   for_each_token(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nkh; ++j) {
       const T* v = row + j * Dh;
-#if defined(__AVX512F__)
+#if defined(PDSERVE_FLOAT_VEC)
       if (vectorized) {
-        for (int64_t d = 0; d < Dh; d += 16) {
-          const __m512 vv = load16(v + d);  // one load of the value row serves all G heads
+        for (int64_t d = 0; d < Dh; d += FloatVec::kLanes) {
+          const typename FloatVec::V vv = FloatVec::load(v + d);  // one load of the value row serves all G heads
           for (int64_t h = j * G; h < (j + 1) * G; ++h) {
             float* a = acc + h * Dh + d;
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[t * Q + h]), vv, _mm512_loadu_ps(a)));
+            FloatVec::store(a, FloatVec::fma(FloatVec::set1(scores[t * Q + h]), vv, FloatVec::load(a)));
           }
         }
         continue;

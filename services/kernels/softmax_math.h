@@ -1,12 +1,15 @@
-// The softmax's exponential on 16 float32 lanes, shared by the attention kernels.
+// The softmax's exponential on 16 float32 lanes (AVX-512) or 8 (AVX2), shared by the attention kernels.
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
 
 // 1 / i!, at namespace scope: as a constant local to the template below it crashed GCC 12 (an internal
 // error in its fre pass) once inlined into the prefill kernel
 inline constexpr float kTaylor[] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
+
+#if defined(__AVX512F__)
 
 // 2^t for t <= 0: the integer part of t applied exactly by vscalefps, 2^f for |f| <= 1/2 as e^(f ln 2)
 // by its Taylor polynomial of degree Degree (error ~1e-7 at 6; ~4e-5 at 4, far below bf16's 4e-3).
@@ -22,5 +25,19 @@ inline __m512 exp2_nonpositive(__m512 t) {
 // e^x for x <= 0 (scores minus their maximum), clamped at e^-100.
 inline __m512 exp_nonpositive(__m512 x) {
   return exp2_nonpositive(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504f)));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// e^x for x <= 0 on 8 lanes, as above; 2^n is written into the exponent bits, which stop at 2^-126,
+// so x is clamped at -87 (e^-87 ~ 1.6e-38: nothing next to the maximum's e^0).
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147181f));  // f ln 2
+  __m256 p = _mm256_set1_ps(kTaylor[6]);
+  for (int i = 5; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kTaylor[i]));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif

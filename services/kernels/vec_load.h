@@ -70,6 +70,8 @@ struct FloatVec {
   static V zero() { return _mm512_setzero_ps(); }
   template <typename T>
   static V load(const T* p) { return load16(p); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
@@ -82,6 +84,8 @@ struct FloatVec {
   static V zero() { return _mm256_setzero_ps(); }
   template <typename T>
   static V load(const T* p) { return load8(p); }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static float sum(V v) {
