@@ -136,7 +136,7 @@ void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMa
       typename FloatVec::V vacc[MT][kAcc];
       for (int m = 0; m < MT; ++m)
         for (int a = 0; a < kAcc; ++a) vacc[m][a] = FloatVec::zero();
-      for (int a = 0; k + L <= K; k += L, a = (a + 1) % kPhases) {
+      auto step = [&](int a) {  // L elements of k into phase a's accumulators
         typename FloatVec::V wv[R];
         for (int r = 0; r < R; ++r) {
           if (R > 1 && (k * static_cast<int64_t>(sizeof(W))) % 64 == 0)
@@ -147,7 +147,14 @@ void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMa
           const typename FloatVec::V xv = FloatVec::load(x + m * x_stride + k);
           for (int r = 0; r < R; ++r) vacc[m][r * kPhases + a] = FloatVec::fma(xv, wv[r], vacc[m][r * kPhases + a]);
         }
+      };
+      // Phases unrolled, so each accumulator is a named register, not a slot indexed at run time
+      // (measured on a Zen 3: int8 W 2x faster); the last partial round continues the same order.
+      for (; k + kPhases * L <= K; k += L) {
+        step(0);
+        for (int a = 1; a < kPhases; ++a) k += L, step(a);
       }
+      for (int a = 0; k + L <= K; k += L, ++a) step(a);
       reduce_rows<FloatVec, MT, R>(vacc, acc);
     }
 #endif
