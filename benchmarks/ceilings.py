@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -66,17 +67,20 @@ class ReadProbe:
                                               device=self.device)
 
     def native_rate(self, repeats: int = 2) -> float:
-        """The native skinny-matmul kernel over the same buffer (0 where it cannot be compiled): on
-        some CPUs it streams faster than anything in torch, and then it is the ceiling."""
+        """The native skinny-matmul kernel over the same buffer (0 where it cannot be compiled), read as
+        float32 and as bf16, one and four rows in flight, the best of the four: on some CPUs it streams
+        faster than anything in torch, and then it is the ceiling."""
         from services.kernels.native import load
 
         native = load() if self.device == "cpu" else None
         if native is None:
             return 0.0
-        with torch.inference_mode():  # one sequential stream per thread, or four (whichever this CPU prefers)
-            return max(self.num_bytes / best_time(lambda: native.skinny_linear(self._vector, self._matrix, None, None,
-                                                                               rows), repeats, warmup=0,
-                                                  device=self.device) for rows in (1, 4))
+        as_bf16 = self.buffer.view(torch.bfloat16).view(-1, 8192)
+        shapes = ((self._matrix, self._vector), (as_bf16, torch.ones(1, 8192, dtype=torch.bfloat16)))
+        with torch.inference_mode():
+            return max(self.num_bytes / best_time(partial(native.skinny_linear, vector, matrix, None, None, rows),
+                                                  repeats, warmup=0, device=self.device)
+                       for matrix, vector in shapes for rows in (1, 4))
 
     def __call__(self, repeats: int = 2) -> float:
         return max(self.sum_rate(repeats), self.gemv_rate(repeats), self.native_rate(repeats))

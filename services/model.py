@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
 from services.int4_weight import Int4Weight
+from services.kernels.decoder_glue import DecoderGlue, rms_norm
 from services.kernels.kernel_plan import KernelPlan
 from services.model_config import ModelConfig
 from services.quantized_weight import Int8Weight, QuantizedWeight, quantize
@@ -35,13 +36,6 @@ from services.weight_arena import HugePageArena
 # a decode step's context grows by one every step, so every call missed its cache (measured:
 # benchmarks/step_profile.py, 1b, 48 ms steps of which 37 ms were planning).
 GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as HF's LlamaRMSNorm: normalise in float32, scale in the model dtype.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 @dataclass(slots=True)
@@ -82,6 +76,8 @@ class LlamaModel:
                                       self.embed.dtype, device, kernels)
         self.decode_kernel = self.plan.decode_attention
         self.prefill_kernel = self.plan.prefill_attention  # None: SDPA (always on a GPU)
+        self.glue = DecoderGlue(self.plan.native)  # residual adds, norms, rotary: one native pass each on a CPU
+        self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
 
     def _into_huge_pages(self) -> None:
         """Every matrix a decode step streams, moved into 2 MB pages (services/weight_arena.py)."""
@@ -133,18 +129,22 @@ class LlamaModel:
 
         Returns float32 logits [M, V] (None on a tensor-parallel rank other than 0).
         """
-        h = self._embed(input_ids)  # [N, D]
+        eps = self.config.rms_norm_eps
+        # h: the residual stream [N, D]; x: its normalised copy, the next block's input [N, D]. Each
+        # residual add is fused with the norm that reads its sum (the next layer's input norm, or the final one).
+        h, x = self.glue.residual_norm(self._embed(input_ids), None, self.layers[0].input_norm, eps)
         rope = self.rotary.tables(positions, h.dtype)  # shared by every layer
         with sdpa_kernel(GPU_ATTENTION_BACKENDS) if h.is_cuda else contextlib.nullcontext():
-            for layer, layer_cache in zip(self.layers, kv_cache):
-                h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
-                                        rope, meta, layer_cache)
-                x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-                gate, up = self.plan.linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
-                h = h + self._reduce(self.plan.linear(F.silu(gate) * up, layer.down))
-        h = rms_norm(h[logit_indices], self.final_norm, self.config.rms_norm_eps)  # [M, D]
-        logits = self.plan.linear(h, self.lm_head).float()  # [M, V / size]
+            for layer, layer_cache, next_norm in zip(self.layers, kv_cache, self._next_norms):
+                h, x = self.glue.residual_norm(h, self._attention(layer, x, rope, meta, layer_cache), layer.post_norm,
+                                               eps)
+                h, x = self.glue.residual_norm(h, self._mlp(layer, x), next_norm, eps)
+        logits = self.plan.linear(x[logit_indices], self.lm_head).float()  # [M, V / size]
         return logits if self.group is None else self.group.gather_rows(logits)
+
+    def _mlp(self, layer: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.plan.linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
+        return self._reduce(self.plan.linear(F.silu(gate) * up, layer.down))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -165,11 +165,11 @@ class LlamaModel:
         qkv = self.plan.linear(x, layer.qkv, layer.qkv_bias).view(num_tokens, h + 2 * kv, c.head_dim)  # heads: q | k | v
         v = qkv[:, h + kv :]
         if layer.q_norm is None:  # q and k are adjacent heads: rotate them in one pass
-            qk = self.rotary.apply(qkv[:, : h + kv], *rope)
+            qk = self.glue.rotate(qkv[:, : h + kv], *rope)
             q, k = qk[:, :h], qk[:, h:]
         else:  # (Qwen3) each normalised with its own weight first
-            q = self.rotary.apply(rms_norm(qkv[:, :h], layer.q_norm, c.rms_norm_eps), *rope)
-            k = self.rotary.apply(rms_norm(qkv[:, h : h + kv], layer.k_norm, c.rms_norm_eps), *rope)
+            q = self.glue.rotate(rms_norm(qkv[:, :h], layer.q_norm, c.rms_norm_eps), *rope)
+            k = self.glue.rotate(rms_norm(qkv[:, h : h + kv], layer.k_norm, c.rms_norm_eps), *rope)
         o = paged_attention(q, k, v, layer_cache, meta, self.scale, self.decode_kernel,
                             self.prefill_kernel)  # [N, H, Dh]
         return self._reduce(self.plan.linear(o.reshape(num_tokens, -1), layer.o))

@@ -15,6 +15,10 @@ torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& pac
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
+torch::Tensor residual_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta,
+                                const torch::Tensor& weight, double eps);
+void rotate_heads(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]), few rows of x",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("rows") = 1);
@@ -23,5 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,
         "one sequence's T new tokens, causally over its context in the paged pool (in place)");
+  m.def("residual_rms_norm", &residual_rms_norm, "h += delta (in place; delta may be None), then RMSNorm(h) * weight",
+        py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"));
+  m.def("rotate_heads", &rotate_heads, "x [N, P, Dh] rotated in place by cos and sign-folded sin [N, Dh]");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence over the paged pool, in place");
 }

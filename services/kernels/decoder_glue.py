@@ -1,0 +1,46 @@
+"""The element-wise glue of a decoder layer: the residual add with the RMSNorm after it, and the
+rotary rotation of q and k. On a CPU with the native build (decoder_glue.cpp) each is one pass over
+its rows; elsewhere (a GPU, `kernels="torch"`, no compiler) torch's operators in Hugging Face's
+order. Both compute HF's values in the model's dtype; the native sum of squares may differ from
+torch's in its last float32 bit.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from services.rotary import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as HF's LlamaRMSNorm: normalise in float32, scale in the model dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class DecoderGlue:
+    def __init__(self, native: ModuleType | None) -> None:
+        self.native = native  # the native build, or None: torch's operators
+
+    def residual_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, rms_norm(h + delta)); h: [N, D] is updated in place on the native path (it
+        must be the forward's own residual stream); delta None: h unchanged, only normalised."""
+        if self._native_for(h):
+            return h, self.native.residual_rms_norm(h, delta, weight, eps)
+        if delta is not None:
+            h = h + delta
+        return h, rms_norm(h, weight, eps)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, Dh] rotated by the tables [N, 1, Dh]: in place on the native path, else a new tensor."""
+        if self._native_for(x) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+            self.native.rotate_heads(x, cos.squeeze(1), sin_signed.squeeze(1))
+            return x
+        return RotaryEmbedding.apply(x, cos, sin_signed)
+
+    def _native_for(self, x: torch.Tensor) -> bool:
+        return self.native is not None and x.device.type == "cpu"
