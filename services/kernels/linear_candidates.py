@@ -31,10 +31,24 @@ def _torch_mv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return y if bias is None else y + bias
 
 
-def _int8_dequant_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    # int8 values are exact in bf16/fp16: one dense product, then each output column scaled
-    y = F.linear(x, DEQUANT_BUFFER.holding(weight.qweight, x.dtype)).mul_(weight.scale.to(x.dtype))
-    return y if bias is None else y.add_(bias)
+def _float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # A 16-bit weight upcast into the reused buffer, then one float32 product, rounded once (as a 16-bit
+    # product accumulates in float32 and rounds once): where the CPU has no 16-bit matrix instructions,
+    # torch's bf16 product is a slow fallback (AMD EPYC Zen 3, AVX2, 2 threads: 21 GFLOP/s at 1,024 rows
+    # against 142 for float32; the upcast of a 16384 x 2048 weight costs 5.5 ms of its 480)
+    y = F.linear(x.float(), DEQUANT_BUFFER.holding(weight, torch.float32), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def _int8_dequant_linear(compute: torch.dtype | None = None) -> LinearFn:
+    # int8 values are exact in bf16/fp16: one dense product in `compute` (None: x's dtype; float32 where
+    # 16-bit products are slow, see _float32_linear), then each output column scaled
+    def dequant_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = compute or x.dtype
+        y = F.linear(x.to(dtype), DEQUANT_BUFFER.holding(weight.qweight, dtype)).mul_(weight.scale.to(dtype))
+        y = y if bias is None else y.add_(bias)
+        return y.to(x.dtype)
+    return dequant_linear
 
 
 def _int8_dynamic_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -54,15 +68,17 @@ def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
-def _int4_dequant_linear(native: ModuleType | None) -> LinearFn:
-    # many rows (prefill): the product is compute-bound, so W is dequantized once and multiplied densely
+def _int4_dequant_linear(native: ModuleType | None, compute: torch.dtype | None = None) -> LinearFn:
+    # many rows (prefill): the product is compute-bound, so W is dequantized once and multiplied densely,
+    # in `compute` (None: x's dtype; float32 where 16-bit products are slow, see _float32_linear)
     def dequant_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = compute or x.dtype
         if native is not None and x.device.type == "cpu":
-            out = DEQUANT_BUFFER.scratch((weight.shape[0], weight.in_features), x.dtype, x.device)
+            out = DEQUANT_BUFFER.scratch((weight.shape[0], weight.in_features), dtype, x.device)
             dense = native.int4_dequantize(weight.packed, weight.scale, weight.low, out)
         else:
-            dense = weight.dequantize(x.dtype)
-        return F.linear(x, dense, bias)
+            dense = weight.dequantize(dtype)
+        return F.linear(x.to(dtype), dense, None if bias is None else bias.to(dtype)).to(x.dtype)
     return dequant_linear
 
 
@@ -109,8 +125,13 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     """The kernels that can run a weight of `weight_format` ("int8", "w8a8", "int4", else a dense dtype) and
     `in_features` columns for batches of up to `max_rows` rows, on the CPU or not; `packed`: offer oneDNN's
     packed copy of a dense weight (onednn_packs.py: it costs the weight's memory again)."""
+    # many rows on a CPU: also the product in float32 (the 16-bit one is slow where the CPU lacks
+    # 16-bit matrix instructions; elsewhere timing drops it)
+    upcast = on_cpu and max_rows > 1
     if weight_format == "int4":
         found = {"dequant.linear": _int4_dequant_linear(native)}
+        if upcast:
+            found["dequant.float32"] = _int4_dequant_linear(native, torch.float32)
         if on_cpu and in_features % 64 == 0 and max_rows <= 64:  # torch's wants whole groups, unpadded
             found["torch.int4pack"] = _int4_pack_mm
         if on_cpu and native is not None and max_rows <= 64:
@@ -124,7 +145,9 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         # a different model for the few-row products
         return {"int8.dynamic": _int8_dynamic_mm}
     if weight_format in ("int8", "w8a8"):  # w8a8 off the CPU: weight-only, as int8 (no dynamic product there)
-        found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear}
+        found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear()}
+        if upcast:
+            found["dequant.float32"] = _int8_dequant_linear(torch.float32)
         # torch's weight-only kernel is made for few rows; beyond 64 (prefill) the product is
         # compute-bound and one dequantized dense product wins. It crashes (SIGSEGV, torch 2.13) on
         # widths that are not a multiple of 16.
@@ -134,6 +157,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:
             found["torch.mv"] = _torch_mv
+        if upcast and weight_format in ("bfloat16", "float16"):
+            found["float32.linear"] = _float32_linear
         if on_cpu and packed and ONEDNN_PACKS.supported(getattr(torch, weight_format)):
             found["onednn.packed"] = ONEDNN_PACKS.linear
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
