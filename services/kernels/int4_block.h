@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -42,6 +42,11 @@ inline void row_params(const at::Half* scale, const at::Half* low, int64_t group
   for (; g + 16 <= groups; g += 16) {  // 16 at a time: a scalar half conversion costs more than a block's dot
     _mm512_storeu_ps(sc + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g))));
     _mm512_storeu_ps(lo + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + g))));
+  }
+#elif defined(__F16C__) && defined(__AVX2__)
+  for (; g + 8 <= groups; g += 8) {
+    _mm256_storeu_ps(sc + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g))));
+    _mm256_storeu_ps(lo + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + g))));
   }
 #endif
   for (; g < groups; ++g) {
@@ -82,6 +87,28 @@ inline void dequantize_row(const uint8_t* packed, const float* sc, const float* 
         _mm256_storeu_ps(at, _mm512_castps512_ps256(w));
         _mm256_storeu_ps(at + 32, _mm512_extractf32x8_ps(w, 1));
       }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Per 128-bit lane, the bytes of the columns of (group, r) = (0, 0), (0, 1), (1, 0), (1, 1), four each
+  // (block_slot), then the lanes' halves paired: 8 bytes = 8 consecutive columns per (group, r).
+  const __m256i gather = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const __m256i pair_lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < Kp / kBlock; ++b) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32));
+    for (int h = 0; h < 2; ++h) {  // low nibbles: columns 0..7 of each (group, r); high: 8..15
+      const __m256i nibbles = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, mask);
+      const __m256i sorted = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(nibbles, gather), pair_lanes);
+      for (int c = 0; c < 4; ++c) {
+        const int group = c / 2, r = c % 2;
+        const __m128i part = c < 2 ? _mm256_castsi256_si128(sorted) : _mm256_extracti128_si256(sorted, 1);
+        const __m128i eight = r ? _mm_unpackhi_epi64(part, part) : part;
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
+        const __m256 w = _mm256_fmadd_ps(q, _mm256_set1_ps(sc[2 * b + group]), _mm256_set1_ps(lo[2 * b + group]));
+        _mm256_storeu_ps(out + b * kBlock + 32 * group + 16 * r + 8 * h, w);
+      }
+    }
   }
 #else
   for (int64_t b = 0; b < Kp / kBlock; ++b) {

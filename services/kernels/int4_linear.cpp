@@ -95,6 +95,72 @@ void bf16_rows(const at::BFloat16* x, const float* xsum, int64_t Kp, const uint8
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+// The same product on AVX2 CPUs, in float32: x [*, Kp] in each block's byte order (x_p = x[e] where
+// column e's nibble is at p = block_order(e): p < 32 low nibbles of bytes 0..31, then the high ones), so
+// the nibbles need no shuffle back: q as float32 8 at a time, q . x per lane, then one FMA by the lanes'
+// group scales (lane l of every 8 bytes is in group bit 1 of l, see block_slot), and the offsets as one
+// short dot with the group sums of x. acc[m] = dot(x[m], W row) for MT rows of x.
+template <int MT>
+void dot_row_float(const float* x, int64_t Kp, const uint8_t* packed, const float* sc, const float* lo,
+                   const float* xsum, float* acc) {
+  __m256 vacc[MT][2];
+  for (int m = 0; m < MT; ++m) vacc[m][0] = vacc[m][1] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  auto block = [&](int64_t b, int a) __attribute__((always_inline)) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32));
+    const __m256i nibbles[2] = {_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)};
+    __m256 q[8];  // bytes 8u .. 8u + 7 of the 64 nibbles, as float32
+    for (int h = 0; h < 2; ++h)
+      for (int lane = 0; lane < 2; ++lane) {
+        const __m128i bytes = lane ? _mm256_extracti128_si256(nibbles[h], 1) : _mm256_castsi256_si128(nibbles[h]);
+        q[4 * h + 2 * lane] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        q[4 * h + 2 * lane + 1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
+      }
+    double pair;  // the block's two group scales: a b a b ... -> a a b b a a b b
+    std::memcpy(&pair, sc + 2 * b, sizeof pair);
+    const __m256 s = _mm256_permute_ps(_mm256_castpd_ps(_mm256_set1_pd(pair)), 0x50);
+    for (int m = 0; m < MT; ++m) {
+      const float* xb = x + m * Kp + b * kBlock;
+      __m256 t[4];  // four chains, not one: eight dependent FMAs would leave the block latency-bound
+      for (int u = 0; u < 4; ++u) t[u] = _mm256_mul_ps(q[u], _mm256_loadu_ps(xb + 8 * u));
+      for (int u = 4; u < 8; ++u) t[u - 4] = _mm256_fmadd_ps(q[u], _mm256_loadu_ps(xb + 8 * u), t[u - 4]);
+      const __m256 dot = _mm256_add_ps(_mm256_add_ps(t[0], t[1]), _mm256_add_ps(t[2], t[3]));
+      vacc[m][a] = _mm256_fmadd_ps(dot, s, vacc[m][a]);
+    }
+  };
+  const int64_t blocks = Kp / kBlock;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {  // two blocks' chains in flight
+    block(b, 0);
+    block(b + 1, 1);
+  }
+  if (b < blocks) block(b, 0);
+  const int64_t groups = Kp / kGroup;
+  for (int m = 0; m < MT; ++m) {
+    const __m256 v = _mm256_add_ps(vacc[m][0], vacc[m][1]);
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    float total = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    for (int64_t g = 0; g < groups; ++g) total += lo[g] * xsum[m * groups + g];  // vectorized by the compiler
+    acc[m] = total;
+  }
+}
+
+template <int MT>
+void float_rows(const float* x, const float* xsum, int64_t Kp, const uint8_t* packed, const at::Half* scale,
+                const at::Half* low, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t groups = Kp / kGroup;
+  std::vector<float> sc(groups), lo(groups);
+  float acc[kTile];
+  for (int64_t n = n0; n < n1; ++n) {
+    row_params(scale + n * groups, low + n * groups, groups, sc.data(), lo.data());
+    dot_row_float<MT>(x, Kp, packed + n * Kp / 2, sc.data(), lo.data(), xsum, acc);
+    for (int m = 0; m < MT; ++m) y[m * N + n] = acc[m];
+  }
+}
+#endif
+
 }  // namespace
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -129,6 +195,33 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
           case 2: bf16_rows<2>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
           case 3: bf16_rows<3>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
           default: bf16_rows<4>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
+        }
+      }
+    });
+    if (bias.has_value()) y32.add_(bias->to(at::kFloat));
+    return y32.to(x.scalar_type());
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+  // 16-bit x (a float32 model keeps the dequantize-then-dot below: the same sums as torch's dequantized product)
+  if (x.scalar_type() != at::kFloat) {
+    torch::Tensor xp = padded_x(x, Kp).to(at::kFloat);  // [M, Kp]
+    torch::Tensor xsum = xp.view({M, groups, kGroup}).sum(2).contiguous();  // [M, Kp / G]
+    std::vector<int64_t> order(kBlock);  // byte position -> column
+    for (int e = 0; e < kBlock; ++e) order[block_order(e)] = e;
+    xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, torch::tensor(order)).contiguous();  // [M, Kp / 64, 64]
+    const float* xv = xp.data_ptr<float>();
+    const float* xs = xsum.data_ptr<float>();
+    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+      for (int64_t m = 0; m < M; m += kTile) {
+        const int64_t mt = std::min(kTile, M - m);
+        const float* xm = xv + m * Kp;
+        const float* sm = xs + m * groups;
+        switch (mt) {
+          case 1: float_rows<1>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
+          case 2: float_rows<2>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
+          case 3: float_rows<3>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
+          default: float_rows<4>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
         }
       }
     });
