@@ -77,3 +77,19 @@ def test_an_answer_does_not_depend_on_how_many_rows_share_its_step(tiny_path):
     whole = engine_logits(engine, prompt, len(prompt))
     for chunk in (7, 1):
         torch.testing.assert_close(engine_logits(engine, prompt, chunk), whole, rtol=1e-4, atol=1e-4)
+
+
+def test_w8a8_says_when_the_cpu_has_no_int8_dot_products(tiny_path, monkeypatch, caplog):
+    from services.kernels import native
+
+    for has_them, warned in ((False, True), (True, False)):
+        monkeypatch.setattr(native, "int8_dot_products", lambda has_them=has_them: has_them)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="services.kernels.kernel_plan"):
+            Engine(tiny_path, dtype="float32", quantization="w8a8")
+        assert ("without int8 dot-product instructions" in caplog.text) == warned
+    monkeypatch.setattr(native, "int8_dot_products", lambda: False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="services.kernels.kernel_plan"):
+        Engine(tiny_path, dtype="float32", quantization="int8")  # weight-only int8 has fast kernels everywhere
+    assert "int8 dot-product" not in caplog.text

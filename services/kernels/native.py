@@ -53,6 +53,13 @@ def _cpu_flags() -> str:
     return ""
 
 
+def int8_dot_products() -> bool:
+    """Whether this CPU has int8 dot-product instructions (VNNI, AMX): without them torch's int8 x int8
+    product, the only one w8a8 has on a CPU, is a reference loop (AMD EPYC Zen 3: 6 GFLOP/s)."""
+    flags = set(_cpu_flags().split())
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
 def build_key() -> str:
     here = Path(__file__).parent
     digest = hashlib.sha256()
