@@ -1,4 +1,5 @@
-"""Shared fixtures: the trained checkpoint in ../shared (skipped when absent) and small model folders."""
+"""Shared fixtures: the trained checkpoint in ../shared (skipped when absent), small model folders and the
+native kernels' build (skipped where this host cannot compile it)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,13 @@ def tiny_path(tmp_path_factory) -> Path:
     from services.model_presets import write_model
 
     return write_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def native():
+    from services.kernels.native import load
+
+    module = load()
+    if module is None:
+        pytest.skip("this host cannot compile the native kernels (the engine falls back to torch's)")
+    return module

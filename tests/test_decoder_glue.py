@@ -6,20 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.kernels import native as native_build
 from services.kernels.decoder_glue import DecoderGlue, rms_norm
 from services.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-
-
-@pytest.fixture(scope="module")
-def native():
-    module = native_build.load()
-    if module is None:
-        pytest.skip("this host cannot compile the native kernels (the engine falls back to torch's)")
-    return module
 
 
 def random(shape, dtype, seed):

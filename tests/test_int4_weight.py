@@ -62,14 +62,6 @@ def test_bad_weights_are_refused():
         Int4Weight.quantize(torch.tensor([[1.0, float("nan")]]))
 
 
-@pytest.fixture(scope="module")
-def native():
-    module = load()
-    if module is None:
-        pytest.skip("this host cannot compile the native kernels (the engine falls back to torch's)")
-    return module
-
-
 @pytest.mark.parametrize("kernel", ["int4_linear", "int4_tiled_linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200),

@@ -14,14 +14,6 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rto
              torch.float16: dict(rtol=2e-3, atol=5e-3)}
 
 
-@pytest.fixture(scope="module")
-def native():
-    module = native_build.load()
-    if module is None:
-        pytest.skip("this host cannot compile the native kernels (the engine falls back to torch's)")
-    return module
-
-
 @pytest.mark.parametrize("rows_in_flight", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 1), (1, 7, 15), (3, 33, 17), (5, 9, 100),

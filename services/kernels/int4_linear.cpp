@@ -81,18 +81,13 @@ void dot_row(const at::BFloat16* x, int64_t Kp, const uint8_t* packed, const flo
   }
 }
 
-template <int MT>
-void bf16_rows(const at::BFloat16* x, const float* xsum, int64_t Kp, const uint8_t* packed, const at::Half* scale,
-               const at::Half* low, int64_t n0, int64_t n1, float* y, int64_t N) {
-  const int64_t groups = Kp / kGroup;
-  std::vector<float> sc(groups), lo(groups);
-  float acc[kTile];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_params(scale + n * groups, low + n * groups, groups, sc.data(), lo.data());
-    dot_row<MT>(x, Kp, packed + n * Kp / 2, sc.data(), lo.data(), xsum, acc);
-    for (int m = 0; m < MT; ++m) y[m * N + n] = acc[m];
+struct Bf16Blocks {  // for product(): bf16 x in block_slot's order
+  template <int MT>
+  static void row(const at::BFloat16* x, int64_t Kp, const uint8_t* packed, const float* sc, const float* lo,
+                  const float* xsum, float* acc) {
+    dot_row<MT>(x, Kp, packed, sc, lo, xsum, acc);
   }
-}
+};
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
@@ -147,19 +142,42 @@ void dot_row_float(const float* x, int64_t Kp, const uint8_t* packed, const floa
   }
 }
 
-template <int MT>
-void float_rows(const float* x, const float* xsum, int64_t Kp, const uint8_t* packed, const at::Half* scale,
-                const at::Half* low, int64_t n0, int64_t n1, float* y, int64_t N) {
-  const int64_t groups = Kp / kGroup;
-  std::vector<float> sc(groups), lo(groups);
-  float acc[kTile];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_params(scale + n * groups, low + n * groups, groups, sc.data(), lo.data());
-    dot_row_float<MT>(x, Kp, packed + n * Kp / 2, sc.data(), lo.data(), xsum, acc);
-    for (int m = 0; m < MT; ++m) y[m * N + n] = acc[m];
+struct FloatBlocks {  // for product(): float32 x in block_order's byte order
+  template <int MT>
+  static void row(const float* x, int64_t Kp, const uint8_t* packed, const float* sc, const float* lo,
+                  const float* xsum, float* acc) {
+    dot_row_float<MT>(x, Kp, packed, sc, lo, xsum, acc);
   }
-}
+};
 #endif
+
+// y [M, N] float32 = x [M, Kp] @ W^T through Blocks::row<MT> (MT <= kTile rows of x, in the order Blocks reads,
+// against one W row, given its group parameters as float32 and x's group sums xsum [M, Kp / G]). Threads split N.
+template <typename Blocks, typename X>
+void product(const X* x, const float* xsum, int64_t M, int64_t Kp, const uint8_t* packed, const at::Half* scale,
+             const at::Half* low, float* y, int64_t N) {
+  const int64_t groups = Kp / kGroup;
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sc(groups), lo(groups);
+    float acc[kTile];
+    for (int64_t m = 0; m < M; m += kTile) {
+      const int64_t mt = std::min(kTile, M - m);
+      const X* xm = x + m * Kp;
+      const float* sm = xsum + m * groups;
+      for (int64_t n = n0; n < n1; ++n) {
+        row_params(scale + n * groups, low + n * groups, groups, sc.data(), lo.data());
+        const uint8_t* row = packed + n * Kp / 2;
+        switch (mt) {
+          case 1: Blocks::template row<1>(xm, Kp, row, sc.data(), lo.data(), sm, acc); break;
+          case 2: Blocks::template row<2>(xm, Kp, row, sc.data(), lo.data(), sm, acc); break;
+          case 3: Blocks::template row<3>(xm, Kp, row, sc.data(), lo.data(), sm, acc); break;
+          default: Blocks::template row<4>(xm, Kp, row, sc.data(), lo.data(), sm, acc); break;
+        }
+        for (int64_t i = 0; i < mt; ++i) y[(m + i) * N + n] = acc[i];
+      }
+    }
+  });
+}
 
 }  // namespace
 
@@ -183,21 +201,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
       order[32 * r + w] = e;
     }
     xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, torch::tensor(order)).contiguous();  // [M, Kp / 64, 64]
-    const at::BFloat16* xv = xp.data_ptr<at::BFloat16>();
-    const float* xs = xsum.data_ptr<float>();
-    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
-      for (int64_t m = 0; m < M; m += kTile) {
-        const int64_t mt = std::min(kTile, M - m);
-        const at::BFloat16* xm = xv + m * Kp;
-        const float* sm = xs + m * groups;
-        switch (mt) {
-          case 1: bf16_rows<1>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
-          case 2: bf16_rows<2>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
-          case 3: bf16_rows<3>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
-          default: bf16_rows<4>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
-        }
-      }
-    });
+    product<Bf16Blocks>(xp.data_ptr<at::BFloat16>(), xsum.data_ptr<float>(), M, Kp, q, s, lo, y, N);
     if (bias.has_value()) y32.add_(bias->to(at::kFloat));
     return y32.to(x.scalar_type());
   }
@@ -210,21 +214,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     std::vector<int64_t> order(kBlock);  // byte position -> column
     for (int e = 0; e < kBlock; ++e) order[block_order(e)] = e;
     xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, torch::tensor(order)).contiguous();  // [M, Kp / 64, 64]
-    const float* xv = xp.data_ptr<float>();
-    const float* xs = xsum.data_ptr<float>();
-    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
-      for (int64_t m = 0; m < M; m += kTile) {
-        const int64_t mt = std::min(kTile, M - m);
-        const float* xm = xv + m * Kp;
-        const float* sm = xs + m * groups;
-        switch (mt) {
-          case 1: float_rows<1>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
-          case 2: float_rows<2>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
-          case 3: float_rows<3>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
-          default: float_rows<4>(xm, sm, Kp, q, s, lo, n0, n1, y + m * N, N); break;
-        }
-      }
-    });
+    product<FloatBlocks>(xp.data_ptr<float>(), xsum.data_ptr<float>(), M, Kp, q, s, lo, y, N);
     if (bias.has_value()) y32.add_(bias->to(at::kFloat));
     return y32.to(x.scalar_type());
   }
