@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from services.kernels.native import load
 
 @dataclass(frozen=True)
 class HardwarePeaks:
-    flops: float  # matmul FLOP/s in the serving dtype
+    flops: float  # matmul FLOP/s in the serving dtype (or float32, where that is faster on a CPU)
     bytes_per_second: float  # memory read bandwidth
 
     @classmethod
@@ -28,6 +29,11 @@ class HardwarePeaks:
         a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
         b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
         matmul = best_seconds(lambda: F.linear(a, b), device, repeats=12)  # bf16 units need a warm-up
+        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            # Without 16-bit matrix instructions the kernel plan multiplies 16-bit weights in float32
+            # (float32.linear: AVX2 CPUs, 21 against 142 GFLOP/s), so the ceiling is the faster of the two.
+            a32, b32 = a.float(), b.float()
+            matmul = min(matmul, best_seconds(lambda: F.linear(a32, b32), device, repeats=12))
         # A matrix-vector product streams memory faster than a sum on CPU; the buffer is larger than
         # any cache, so it measures DRAM (or HBM) reads.
         columns = 4096
@@ -36,7 +42,9 @@ class HardwarePeaks:
         read = best_seconds(lambda: F.linear(vector, matrix), device, repeats=3)
         native = load() if device.type == "cpu" else None
         if native is not None:  # where the native kernel streams faster, that is the ceiling
-            read = min(read, best_seconds(lambda: native.skinny_linear(vector, matrix, None, None), device, repeats=3))
+            for rows in (1, 4):  # W rows in flight per thread: one stream, or four
+                read = min(read, best_seconds(partial(native.skinny_linear, vector, matrix, None, None, rows), device,
+                                              repeats=3))
         return cls(2 * matmul_size**3 / matmul, matrix.numel() * 4 / read)
 
 
