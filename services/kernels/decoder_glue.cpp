@@ -81,7 +81,7 @@ void check_same(const torch::Tensor& a, const torch::Tensor& b, const char* what
 torch::Tensor residual_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta,
                                 const torch::Tensor& weight, double eps) {
   TORCH_CHECK(h.dim() == 2 && weight.dim() == 1 && weight.size(0) == h.size(1), "h [N, D] and weight [D] expected");
-  check_same(h, h, "h");
+  TORCH_CHECK(h.is_contiguous(), "h must be contiguous");
   check_same(h, weight, "h and weight");
   if (delta.has_value()) {
     check_same(h, *delta, "h and delta");

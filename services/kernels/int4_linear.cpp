@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "int4_block.h"
+#include "vec_load.h"
 
 namespace {
 
@@ -133,11 +134,8 @@ void dot_row_float(const float* x, int64_t Kp, const uint8_t* packed, const floa
   if (b < blocks) block(b, 0);
   const int64_t groups = Kp / kGroup;
   for (int m = 0; m < MT; ++m) {
-    const __m256 v = _mm256_add_ps(vacc[m][0], vacc[m][1]);
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    float total = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-    for (int64_t g = 0; g < groups; ++g) total += lo[g] * xsum[m * groups + g];  // vectorized by the compiler
+    float total = sum8(_mm256_add_ps(vacc[m][0], vacc[m][1]));
+    for (int64_t g = 0; g < groups; ++g) total += lo[g] * xsum[m * groups + g];
     acc[m] = total;
   }
 }

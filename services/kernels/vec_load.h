@@ -58,6 +58,12 @@ inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// The sum of the 8 lanes (also on AVX-512 CPUs, whose FloatVec is 16 lanes wide).
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 #endif
 
 // The widest float32 vector of this CPU, for loops written once for both widths: 16 lanes with
@@ -88,10 +94,6 @@ struct FloatVec {
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static float sum(V v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
+  static float sum(V v) { return sum8(v); }
 };
 #endif
