@@ -13,13 +13,14 @@ from services import Engine, SamplingParams
 from services.scheduler import SampledToken
 
 
-def teacher_forced(reference: Engine, other: Engine) -> tuple[float, float]:
+def teacher_forced(reference: Engine, other: Engine, chunk: int | None = None) -> tuple[float, float]:
     """Over the stories prompts: mean |logprob difference| of each next prompt token, and the share
-    of positions whose top-1 token agrees."""
+    of positions whose top-1 token agrees; each prompt fed whole (one prefill) or `chunk` tokens a step
+    (1: the decode path's one-row products)."""
     diffs, agree, total = [], 0, 0
     for p in prompts()[1:]:
-        a = engine_logits(reference, p, len(p)).float().log_softmax(-1)
-        b = engine_logits(other, p, len(p)).float().log_softmax(-1)
+        a = engine_logits(reference, p, chunk or len(p)).float().log_softmax(-1)
+        b = engine_logits(other, p, chunk or len(p)).float().log_softmax(-1)
         target = torch.tensor(p[1:])[:, None]
         diffs.append((a[:-1].gather(1, target) - b[:-1].gather(1, target)).abs().flatten())
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())

@@ -136,6 +136,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
             found["torch.int4pack"] = _int4_pack_mm
         if on_cpu and native is not None and max_rows <= 64:
             found["native"] = _native_int4(native.int4_linear)  # streams W, converts per row
+            if hasattr(native, "int4_int8_linear"):  # built on AVX2 CPUs: x rounded to int8 per group, integer dots
+                found["native.int8x"] = _native_int4(native.int4_int8_linear)
             if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
                 found["native.tiled"] = _native_int4(native.int4_tiled_linear)
         return found
