@@ -1,12 +1,36 @@
-"""Per-channel int8 weights: exact on a hand example, bounded error, and the format on the wire of
-the engine (quantized decode workers read half the bytes)."""
+"""Per-channel int8 weights: exact on a hand example, bounded error, the format on the wire of the engine
+(quantized decode workers read half the bytes), and the AVX2 kernel that holds x as int16 per group against
+its reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from services.kernels.linear_candidates import candidates
 from services.quantized_weight import Int8Weight, quantize
+
+GROUP = 32  # x's rounding groups (services/kernels/x16_groups.h)
+
+
+def x16_groups(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the x16 kernels hold it, in float64: (xq [M, width / 32, 32], the groups' steps [M, width / 32]);
+    width: K padded to whole groups (zeros past K). Largest magnitude -> 32767, halves to even."""
+    padded = torch.zeros(x.shape[0], width)
+    padded[:, : x.shape[1]] = x.float()
+    groups = padded.view(x.shape[0], -1, GROUP)
+    amax = groups.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))  # in float32, as the kernels
+    return torch.round(groups * inv).double(), (amax / 32767.0).squeeze(2).double()
+
+
+def x16_reference(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """What int8_x16_linear computes: scale[n] * sum_g step[m, g] * (q_g . xq_g), in float64."""
+    width = -(-x.shape[1] // GROUP) * GROUP
+    xq, step = x16_groups(x, width)
+    q = F.pad(weight.qweight.double(), (0, width - x.shape[1])).view(weight.shape[0], -1, GROUP)
+    return (torch.einsum("mgc,ngc->mng", xq, q) * step[:, None]).sum(dim=2) * weight.scale.double()
 
 
 def test_hand_example():
@@ -33,3 +57,46 @@ def test_quantize_names_the_formats():
     assert quantize(w, "w8a8").dynamic_activations
     with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8 or None, got 'int3'"):
         quantize(w, "int3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200),
+                                                           (1, 130, 2048), (6, 37, 256)])
+def test_native_x16_kernel_is_its_reference(native, dtype, rows, out_features, in_features):
+    if not hasattr(native, "int8_x16_linear"):
+        pytest.skip("int8_x16_linear is built only where the CPU has AVX2, FMA and F16C")
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    weight = Int8Weight.quantize(torch.randn(out_features, in_features, generator=g))
+    x = torch.randn(rows, in_features, generator=g)
+    x[0, :GROUP] *= 40  # an outlier group: its own step, the others keep theirs
+    if rows > 2:
+        x[2] = 0  # a zero row: step 0
+    x = x.to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    got = native.int8_x16_linear(x, weight.qweight, weight.scale, bias)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    want = x16_reference(x, weight) + bias.double()
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(got.double(), want, **tolerance)
+    # off the unrounded product by at most half a step of each x group times the weights' magnitudes
+    dense = weight.dequantize(torch.float64)
+    width = -(-in_features // GROUP) * GROUP
+    magnitudes = F.pad(dense.abs(), (0, width - in_features)).view(out_features, -1, GROUP).sum(dim=2)
+    full = F.linear(x.double(), dense, bias.double())
+    assert bool(((want - full).abs() <= 0.51 * x16_groups(x, width)[1] @ magnitudes.t() + 1e-9).all())  # + float32 ulps
+    # the plan's candidates offer it for int8 weights, few rows (w8a8 keeps its own product)
+    assert "native.x16" in candidates("int8", True, in_features, 8, native)
+    assert "native.x16" not in candidates("int8", True, in_features, 65, native)
+    assert "native.x16" not in candidates("w8a8", True, in_features, 8, native)
+
+
+def test_native_x16_kernel_refuses_mismatched_shapes(native):
+    if not hasattr(native, "int8_x16_linear"):
+        pytest.skip("int8_x16_linear is built only where the CPU has AVX2, FMA and F16C")
+    weight = Int8Weight.quantize(torch.ones(3, 40))
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] expected, K = 40"):
+        native.int8_x16_linear(torch.ones(1, 41), weight.qweight, weight.scale, None)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous float32"):
+        native.int8_x16_linear(torch.ones(1, 40), weight.qweight, weight.scale.half(), None)
+    with pytest.raises(RuntimeError, match="w must be a contiguous CPU int8"):
+        native.int8_x16_linear(torch.ones(1, 40), weight.qweight.float(), weight.scale, None)

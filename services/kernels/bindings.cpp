@@ -12,8 +12,10 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
-torch::Tensor int4_int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                               const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
@@ -27,8 +29,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y[M, N] = x[M, K] @ W^T (+ bias[N]), W group-wise int4 (int4_weight.py)");
   m.def("int4_tiled_linear", &int4_tiled_linear, "int4_linear for several rows: W dequantized 16 rows at a time");
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  m.def("int4_int8_linear", &int4_int8_linear,
-        "int4_linear with x rounded to int8 per 32-column group (integer dot products; AVX2 CPUs)");
+  m.def("int4_x16_linear", &int4_x16_linear,
+        "int4_linear with x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs)");
+  m.def("int8_x16_linear", &int8_x16_linear,
+        "y[M, N] = x @ (w * scale)^T (+ bias), x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs)");
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,

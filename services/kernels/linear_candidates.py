@@ -114,6 +114,12 @@ def _native(module: ModuleType, rows: int) -> LinearFn:
     return skinny
 
 
+def _native_int8_x16(kernel: Callable) -> LinearFn:
+    def int8_x16(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        return kernel(x, weight.qweight, weight.scale, bias)
+    return int8_x16
+
+
 def _native_int4(kernel: Callable) -> LinearFn:
     def int4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         return kernel(x, weight.packed, weight.scale, weight.low, bias)
@@ -136,8 +142,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
             found["torch.int4pack"] = _int4_pack_mm
         if on_cpu and native is not None and max_rows <= 64:
             found["native"] = _native_int4(native.int4_linear)  # streams W, converts per row
-            if hasattr(native, "int4_int8_linear"):  # built on AVX2 CPUs: x rounded to int8 per group, integer dots
-                found["native.int8x"] = _native_int4(native.int4_int8_linear)
+            if hasattr(native, "int4_x16_linear"):  # built on AVX2 CPUs: x as int16 per group, integer dots
+                found["native.x16"] = _native_int4(native.int4_x16_linear)
             if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
                 found["native.tiled"] = _native_int4(native.int4_tiled_linear)
         return found
@@ -155,6 +161,9 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         # widths that are not a multiple of 16.
         if on_cpu and in_features % 32 == 0 and max_rows <= 64:
             found["torch.int8pack"] = _int8_pack_mm
+        if on_cpu and native is not None and max_rows <= 64 and hasattr(native, "int8_x16_linear"):
+            # built on AVX2 CPUs: x as int16 per 32-column group, integer multiply-adds (int4's likewise)
+            found["native.x16"] = _native_int8_x16(native.int8_x16_linear)
     else:
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:

@@ -1,0 +1,63 @@
+// x as int16 per group of 32 columns, for the kernels that multiply quantized weights by it with integer
+// multiply-adds (int4_x16_linear.cpp, int8_x16_linear.cpp).
+//
+// Legend: M rows of x, K input features, Kp = K padded to whole groups (or blocks) by the caller,
+// G = 32 columns per group, groups = Kp / G.
+//   xq:     [M, Kp]      int16: rint(x * 32767 / amax) of each group (halves to even), 0 past K; each
+//                        64-column block's columns in the order `columns` gives (none: column order)
+//   xscale: [M, groups]  amax / 32767 of each group (0 for an all-zero group)
+//   xsum:   [M, groups]  the sum of x itself over each group
+//
+// Why 16 bits: an element's error is at most amax / 65534, below bf16's own rounding (2^-9 of the
+// element) for every element within 2^7 of its group's largest, so the product is the weight-only one
+// up to less than the activations' rounding. 8 bits (llama.cpp's Q8_0 activations) were tried: through
+// the decode path SmolLM2-135M's int4 logprobs moved from float32's by 0.122 against weight-only int4's
+// 0.042 (top-1 90.4% vs 96.7%); 16 bits: 0.045 (96.1%). docs/kernels.md.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+struct X16Groups {
+  std::vector<int16_t> xq;
+  std::vector<float> xscale, xsum;
+};
+
+// columns: for block order, the column (0..63) each of a 64-column block's slots holds; Kp whole blocks.
+inline X16Groups x16_groups(const torch::Tensor& x, int64_t Kp, const std::vector<int>* columns = nullptr) {
+  constexpr int64_t kGroup = 32, kBlock = 64;
+  const int64_t M = x.size(0), K = x.size(1), groups = Kp / kGroup;
+  TORCH_CHECK(Kp % kGroup == 0 && Kp >= K && (columns == nullptr || Kp % kBlock == 0), "bad padded width");
+  torch::Tensor x32 = x.to(at::kFloat).contiguous();
+  const float* xv = x32.data_ptr<float>();
+  X16Groups r{std::vector<int16_t>(M * Kp), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  std::vector<int16_t> q(Kp);  // one row in column order
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xv + m * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t end = std::min((g + 1) * kGroup, K);
+      float amax = 0.f, sum = 0.f;
+      for (int64_t k = g * kGroup; k < end; ++k) {
+        amax = std::max(amax, std::fabs(row[k]));
+        sum += row[k];
+      }
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+        q[k] = k < K ? static_cast<int16_t>(std::nearbyint(row[k] * inv)) : 0;
+      r.xscale[m * groups + g] = amax / 32767.f;
+      r.xsum[m * groups + g] = sum;
+    }
+    int16_t* out = r.xq.data() + m * Kp;
+    if (columns == nullptr) {
+      std::copy(q.begin(), q.end(), out);
+    } else {
+      for (int64_t b = 0; b < Kp / kBlock; ++b)
+        for (int s = 0; s < kBlock; ++s) out[b * kBlock + s] = q[b * kBlock + (*columns)[s]];
+    }
+  }
+  return r;
+}
