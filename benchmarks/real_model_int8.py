@@ -6,7 +6,8 @@ For the default model (SmolLM2-135M-Instruct, a Q4_1 GGUF) or any `--model`: the
 median over `--rounds` of (generate 65 tokens - generate 1 token) / 64 at batch 1 (and, where llama-cpp-python
 is installed, llama.cpp's median `eval([token])` on the GGUF file as it is); and, teacher-forced on the
 opening of Pride and Prejudice (~350 tokens, public domain), how often int8's / int4's top token equals bf16's and the
-mean |Δ logprob| of the text's own next token.
+mean |Δ logprob| of the text's own next token — fed whole (prefill's products) and one token a step
+(decode's one-row products).
 
     python -m benchmarks.real_model_int8 --threads 2
 """
@@ -104,6 +105,11 @@ def main() -> None:
     variants = {"float32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
                 "int4": ("bfloat16", "int4")}
     engines = {name: Engine(model=args.model, dtype=d, quantization=q, **options) for name, (d, q) in variants.items()}
+    # the text fed one token a step: every product has one row, as in decode (where the plan's few-row kernels
+    # run: on AVX2 CPUs the x16 ones), not prefill's dequantized dense products
+    stepwise = {f"{name}, one token a step": Engine(model=args.model, dtype="bfloat16", quantization=name,
+                                                    max_num_batched_tokens=1, max_num_seqs=1, **options)
+                for name in ("int8", "int4")}
     ids = engines["bf16"].tokenizer.encode(TEXT)
     timers = {name: engine_decode_ms(engine, ids[:32]) for name, engine in engines.items()}
     if args.model.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None:
@@ -112,10 +118,10 @@ def main() -> None:
         # llama.cpp on the file itself (Q4_1 for the default model): median time of one eval([token])
         timers["llama.cpp (the GGUF as is)"] = functools.partial(LlamaCppRunner(args.model, args.threads).decode_ms, 64)
     ms = median_in_turns(timers, args.rounds)
-    logprobs = {name: text_logprobs(engine, ids) for name, engine in engines.items()}
+    logprobs = {name: text_logprobs(engine, ids) for name, engine in {**engines, **stepwise}.items()}
     quality = {}
     for variant, reference in (("bf16", "float32"), ("int8", "float32"), ("int8", "bf16"), ("int4", "float32"),
-                               ("int4", "bf16")):
+                               ("int4", "bf16"), *((name, "float32") for name in stepwise)):
         ours, theirs = logprobs[variant], logprobs[reference]
         quality[f"{variant} vs {reference}"] = (
             sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(ours, theirs)) / len(ours),

@@ -149,6 +149,12 @@ struct FloatBlocks {  // for product(): float32 x in block_order's byte order
 };
 #endif
 
+// A column order as an index tensor over its own storage (made once; a fresh tensor per call cost a few us
+// of a call's ~15 us of fixed cost).
+inline torch::Tensor order_tensor(std::vector<int64_t>& order) {
+  return torch::from_blob(order.data(), {static_cast<int64_t>(order.size())}, torch::kLong);
+}
+
 // y [M, N] float32 = x [M, Kp] @ W^T through Blocks::row<MT> (MT <= kTile rows of x, in the order Blocks reads,
 // against one W row, given its group parameters as float32 and x's group sums xsum [M, Kp / G]). Threads split N.
 template <typename Blocks, typename X>
@@ -192,13 +198,16 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   if (x.scalar_type() == at::kBFloat16) {
     torch::Tensor xp = padded_x(x, Kp);  // [M, Kp]
     torch::Tensor xsum = xp.view({M, groups, kGroup}).to(at::kFloat).sum(2).contiguous();  // [M, Kp / G]
-    std::vector<int64_t> order(kBlock);  // slot -> column: x in the order of the weights' bf16 words
-    for (int e = 0; e < kBlock; ++e) {
-      int r, w;
-      block_slot(e, r, w);
-      order[32 * r + w] = e;
-    }
-    xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, torch::tensor(order)).contiguous();  // [M, Kp / 64, 64]
+    static std::vector<int64_t> order = [] {  // slot -> column: x in the order of the weights' bf16 words
+      std::vector<int64_t> o(kBlock);
+      for (int e = 0; e < kBlock; ++e) {
+        int r, w;
+        block_slot(e, r, w);
+        o[32 * r + w] = e;
+      }
+      return o;
+    }();
+    xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, order_tensor(order)).contiguous();  // [M, Kp / 64, 64]
     product<Bf16Blocks>(xp.data_ptr<at::BFloat16>(), xsum.data_ptr<float>(), M, Kp, q, s, lo, y, N);
     if (bias.has_value()) y32.add_(bias->to(at::kFloat));
     return y32.to(x.scalar_type());
@@ -209,9 +218,12 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   if (x.scalar_type() != at::kFloat) {
     torch::Tensor xp = padded_x(x, Kp).to(at::kFloat);  // [M, Kp]
     torch::Tensor xsum = xp.view({M, groups, kGroup}).sum(2).contiguous();  // [M, Kp / G]
-    std::vector<int64_t> order(kBlock);  // byte position -> column
-    for (int e = 0; e < kBlock; ++e) order[block_order(e)] = e;
-    xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, torch::tensor(order)).contiguous();  // [M, Kp / 64, 64]
+    static std::vector<int64_t> order = [] {  // byte position -> column
+      std::vector<int64_t> o(kBlock);
+      for (int e = 0; e < kBlock; ++e) o[block_order(e)] = e;
+      return o;
+    }();
+    xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, order_tensor(order)).contiguous();  // [M, Kp / 64, 64]
     product<FloatBlocks>(xp.data_ptr<float>(), xsum.data_ptr<float>(), M, Kp, q, s, lo, y, N);
     if (bias.has_value()) y32.add_(bias->to(at::kFloat));
     return y32.to(x.scalar_type());
