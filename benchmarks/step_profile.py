@@ -18,6 +18,7 @@ import torch
 from benchmarks.model_folders import preset_folder
 from benchmarks.report import format_table
 from services import Engine, SamplingParams
+from services.engine_config import QUANTIZATIONS
 from services.scheduler import ScheduledBatch
 
 
@@ -88,11 +89,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per request (default 128)")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per figure; the median counts")
     parser.add_argument("--top", type=int, default=12, help="operators listed (default 12)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weights int8 / int4 / w8a8")
     args = parser.parse_args()
     engine = Engine(model=preset_folder(args.preset), dtype=args.dtype, device=args.device, num_threads=args.threads,
-                    max_num_seqs=max(args.batch), kv_cache_memory_gb=1.0, max_model_len=args.context + 1024)
+                    max_num_seqs=max(args.batch), kv_cache_memory_gb=1.0, max_model_len=args.context + 1024,
+                    quantization=args.quantization)
     rows = [profile_batch(engine, b, args) for b in args.batch]
-    print(f"\n{args.preset}, {args.dtype}, device {engine.device}; decode steps, medians of {args.repeats} (ms)")
+    print(f"\n{args.preset}, {args.dtype} {args.quantization or ''}, device {engine.device}; decode steps, medians of {args.repeats} (ms)")
     print(format_table(["batch", "engine.step", "forward", "issue forward", "step - forward"], rows))
 
 

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "int4_block.h"
@@ -128,29 +129,34 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();
-  torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  float* y = y32.data_ptr<float>();
-  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
-    float acc[kTile];
-    for (int64_t m = 0; m < M; m += kTile) {
-      const int64_t mt = std::min(kTile, M - m);
-      const int16_t* xm = r.xq.data() + m * Kp;
-      const float* xs = xlanes.data() + m * (Kp / kBlock) * 8;
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = q + n * Kp / 2;
-        switch (mt) {
-          case 1: dot_row<1>(xm, xs, Kp, row, s + n * groups, acc); break;
-          case 2: dot_row<2>(xm, xs, Kp, row, s + n * groups, acc); break;
-          case 3: dot_row<3>(xm, xs, Kp, row, s + n * groups, acc); break;
-          default: dot_row<4>(xm, xs, Kp, row, s + n * groups, acc); break;
+  const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  const float* bv = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  torch::Tensor y = torch::empty({M, N}, x.options());  // x's dtype: each value rounded once, bias included
+  with_data(y, [&](auto* out) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+      float acc[kTile];
+      for (int64_t m = 0; m < M; m += kTile) {
+        const int64_t mt = std::min(kTile, M - m);
+        const int16_t* xm = r.xq.data() + m * Kp;
+        const float* xs = xlanes.data() + m * (Kp / kBlock) * 8;
+        for (int64_t n = n0; n < n1; ++n) {
+          const uint8_t* row = q + n * Kp / 2;
+          switch (mt) {
+            case 1: dot_row<1>(xm, xs, Kp, row, s + n * groups, acc); break;
+            case 2: dot_row<2>(xm, xs, Kp, row, s + n * groups, acc); break;
+            case 3: dot_row<3>(xm, xs, Kp, row, s + n * groups, acc); break;
+            default: dot_row<4>(xm, xs, Kp, row, s + n * groups, acc); break;
+          }
+          for (int64_t i = 0; i < mt; ++i) {
+            const float v = acc[i] + offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
+            out[(m + i) * N + n] = static_cast<Out>(bv ? v + bv[n] : v);
+          }
         }
-        for (int64_t i = 0; i < mt; ++i)
-          y[(m + i) * N + n] = acc[i] + offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
       }
-    }
+    });
   });
-  if (bias.has_value()) y32.add_(bias->to(at::kFloat));
-  return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
+  return y;
 }
 
 #endif  // AVX2, FMA, F16C

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "x16_groups.h"
@@ -83,27 +84,33 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
   const X16Groups r = x16_groups(x, Kp);
   const int8_t* wv = w.data_ptr<int8_t>();
   const float* sv = scale.data_ptr<float>();
-  torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  float* y = y32.data_ptr<float>();
-  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
-    float acc[kTile];
-    for (int64_t m = 0; m < M; m += kTile) {
-      const int64_t mt = std::min(kTile, M - m);
-      const int16_t* xm = r.xq.data() + m * Kp;
-      const float* xs = r.xscale.data() + m * groups;
-      for (int64_t n = n0; n < n1; ++n) {
-        switch (mt) {
-          case 1: dot_row<1>(xm, xs, Kp, wv + n * K, K, acc); break;
-          case 2: dot_row<2>(xm, xs, Kp, wv + n * K, K, acc); break;
-          case 3: dot_row<3>(xm, xs, Kp, wv + n * K, K, acc); break;
-          default: dot_row<4>(xm, xs, Kp, wv + n * K, K, acc); break;
+  const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  const float* bv = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  torch::Tensor y = torch::empty({M, N}, x.options());  // x's dtype: each value rounded once, bias included
+  with_data(y, [&](auto* out) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+      float acc[kTile];
+      for (int64_t m = 0; m < M; m += kTile) {
+        const int64_t mt = std::min(kTile, M - m);
+        const int16_t* xm = r.xq.data() + m * Kp;
+        const float* xs = r.xscale.data() + m * groups;
+        for (int64_t n = n0; n < n1; ++n) {
+          switch (mt) {
+            case 1: dot_row<1>(xm, xs, Kp, wv + n * K, K, acc); break;
+            case 2: dot_row<2>(xm, xs, Kp, wv + n * K, K, acc); break;
+            case 3: dot_row<3>(xm, xs, Kp, wv + n * K, K, acc); break;
+            default: dot_row<4>(xm, xs, Kp, wv + n * K, K, acc); break;
+          }
+          for (int64_t i = 0; i < mt; ++i) {
+            const float v = acc[i] * sv[n];
+            out[(m + i) * N + n] = static_cast<Out>(bv ? v + bv[n] : v);
+          }
         }
-        for (int64_t i = 0; i < mt; ++i) y[(m + i) * N + n] = acc[i] * sv[n];
       }
-    }
+    });
   });
-  if (bias.has_value()) y32.add_(bias->to(at::kFloat));
-  return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
+  return y;
 }
 
 #endif  // AVX2, FMA, F16C

@@ -27,37 +27,51 @@ struct X16Groups {
   std::vector<float> xscale, xsum;
 };
 
+// Calls run(p) with y's data as float*, at::BFloat16* or at::Half*: kernels read x and write y in the model's
+// dtype directly (a conversion by torch around each call cost ~20 us a product of a decode step).
+template <typename Run>
+inline void with_data(const torch::Tensor& t, Run run) {
+  switch (t.scalar_type()) {
+    case at::kFloat: run(t.data_ptr<float>()); break;
+    case at::kBFloat16: run(t.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: run(t.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16, not ", t.scalar_type());
+  }
+}
+
 // columns: for block order, the column (0..63) each of a 64-column block's slots holds; Kp whole blocks.
 inline X16Groups x16_groups(const torch::Tensor& x, int64_t Kp, const std::vector<int>* columns = nullptr) {
   constexpr int64_t kGroup = 32, kBlock = 64;
   const int64_t M = x.size(0), K = x.size(1), groups = Kp / kGroup;
   TORCH_CHECK(Kp % kGroup == 0 && Kp >= K && (columns == nullptr || Kp % kBlock == 0), "bad padded width");
-  torch::Tensor x32 = x.to(at::kFloat).contiguous();
-  const float* xv = x32.data_ptr<float>();
+  const torch::Tensor xc = x.contiguous();
   X16Groups r{std::vector<int16_t>(M * Kp), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  std::vector<float> row(K);  // one row as float32
   std::vector<int16_t> q(Kp);  // one row in column order
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xv + m * K;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t end = std::min((g + 1) * kGroup, K);
-      float amax = 0.f, sum = 0.f;
-      for (int64_t k = g * kGroup; k < end; ++k) {
-        amax = std::max(amax, std::fabs(row[k]));
-        sum += row[k];
+  with_data(xc, [&](const auto* xv) {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xv[m * K + k]);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t end = std::min((g + 1) * kGroup, K);
+        float amax = 0.f, sum = 0.f;
+        for (int64_t k = g * kGroup; k < end; ++k) {
+          amax = std::max(amax, std::fabs(row[k]));
+          sum += row[k];
+        }
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+          q[k] = k < K ? static_cast<int16_t>(std::nearbyint(row[k] * inv)) : 0;
+        r.xscale[m * groups + g] = amax / 32767.f;
+        r.xsum[m * groups + g] = sum;
       }
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
-        q[k] = k < K ? static_cast<int16_t>(std::nearbyint(row[k] * inv)) : 0;
-      r.xscale[m * groups + g] = amax / 32767.f;
-      r.xsum[m * groups + g] = sum;
+      int16_t* out = r.xq.data() + m * Kp;
+      if (columns == nullptr) {
+        std::copy(q.begin(), q.end(), out);
+      } else {
+        for (int64_t b = 0; b < Kp / kBlock; ++b)
+          for (int s = 0; s < kBlock; ++s) out[b * kBlock + s] = q[b * kBlock + (*columns)[s]];
+      }
     }
-    int16_t* out = r.xq.data() + m * Kp;
-    if (columns == nullptr) {
-      std::copy(q.begin(), q.end(), out);
-    } else {
-      for (int64_t b = 0; b < Kp / kBlock; ++b)
-        for (int s = 0; s < kBlock; ++s) out[b * kBlock + s] = q[b * kBlock + (*columns)[s]];
-    }
-  }
+  });
   return r;
 }
