@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_quantized_weight import x16_groups
+from test_quantized_weight import X16_SHAPES, assert_within_half_a_step, x16_case, x16_groups
 
 from services.int4_weight import GROUP, Int4Weight
 from services.kernels.kernel_plan import KernelPlan
@@ -95,19 +95,14 @@ def x16_reference(x: torch.Tensor, weight: Int4Weight) -> tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200),
-                                                           (1, 130, 2048), (6, 37, 256)])
+@pytest.mark.parametrize("rows,out_features,in_features", X16_SHAPES)
 def test_native_x16_kernel_is_its_reference(native, dtype, rows, out_features, in_features):
     # built on AVX2 CPUs only: x as int16 per group, q . xq as integer multiply-adds
     if not hasattr(native, "int4_x16_linear"):
         pytest.skip("int4_x16_linear is built only where the CPU has AVX2, FMA and F16C")
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     weight = Int4Weight.quantize(torch.randn(out_features, in_features, generator=g))
-    x = torch.randn(rows, in_features, generator=g)
-    x[0, :GROUP] *= 40  # an outlier group: its own scale, the others keep theirs
-    if rows > 2:
-        x[2] = 0  # a zero row: scale 0, only the offsets (all zero)
-    x = x.to(dtype)
+    x = x16_case(rows, in_features, g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype)
     got = native.int4_x16_linear(x, weight.packed, weight.scale, weight.low, bias)
     assert got.dtype == dtype and got.shape == (rows, out_features)
@@ -117,12 +112,7 @@ def test_native_x16_kernel_is_its_reference(native, dtype, rows, out_features, i
         assert bool(((got.double() - want).abs() <= 4e-6 * magnitude + 1e-5).all())
     else:
         torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype], check_dtype=False)
-    # and off the unrounded product by at most half a step of each x group times the weights' magnitudes
-    dense = weight.dequantize(torch.float64)
-    full = F.linear(x.double(), dense, bias.double())
-    width = -(-in_features // GROUP) * GROUP
-    magnitudes = F.pad(dense.abs(), (0, width - in_features)).view(out_features, -1, GROUP).sum(dim=2)
-    assert bool(((want - full).abs() <= 0.51 * x16_groups(x, width)[1] @ magnitudes.t() + 1e-9).all())  # + float32 ulps
+    assert_within_half_a_step(want, x, weight.dequantize(torch.float64), bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -25,6 +25,28 @@ def x16_groups(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.round(groups * inv).double(), (amax / 32767.0).squeeze(2).double()
 
 
+X16_SHAPES = [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200), (1, 130, 2048), (6, 37, 256)]  # rows, N, K
+
+
+def x16_case(rows: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    """x [rows, in_features] for the x16 kernels' tests: an outlier group in row 0 (its own step, the others keep
+    theirs) and, with 3 rows or more, an all-zero row 2 (step 0)."""
+    x = torch.randn(rows, in_features, generator=g)
+    x[0, :GROUP] *= 40
+    if rows > 2:
+        x[2] = 0
+    return x
+
+
+def assert_within_half_a_step(want: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor) -> None:
+    """want (the x16 product) is off the unrounded product by at most half a step of each x group times the
+    weights' magnitudes (dense: the weights in float64, [N, K]), plus float32's ulps of the rounding."""
+    width = -(-x.shape[1] // GROUP) * GROUP
+    magnitudes = F.pad(dense.abs(), (0, width - x.shape[1])).view(dense.shape[0], -1, GROUP).sum(dim=2)
+    full = F.linear(x.double(), dense, bias.double())
+    assert bool(((want - full).abs() <= 0.51 * x16_groups(x, width)[1] @ magnitudes.t() + 1e-9).all())
+
+
 def x16_reference(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """What int8_x16_linear computes: scale[n] * sum_g step[m, g] * (q_g . xq_g), in float64."""
     width = -(-x.shape[1] // GROUP) * GROUP
@@ -60,30 +82,20 @@ def test_quantize_names_the_formats():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200),
-                                                           (1, 130, 2048), (6, 37, 256)])
+@pytest.mark.parametrize("rows,out_features,in_features", X16_SHAPES)
 def test_native_x16_kernel_is_its_reference(native, dtype, rows, out_features, in_features):
     if not hasattr(native, "int8_x16_linear"):
         pytest.skip("int8_x16_linear is built only where the CPU has AVX2, FMA and F16C")
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     weight = Int8Weight.quantize(torch.randn(out_features, in_features, generator=g))
-    x = torch.randn(rows, in_features, generator=g)
-    x[0, :GROUP] *= 40  # an outlier group: its own step, the others keep theirs
-    if rows > 2:
-        x[2] = 0  # a zero row: step 0
-    x = x.to(dtype)
+    x = x16_case(rows, in_features, g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype)
     got = native.int8_x16_linear(x, weight.qweight, weight.scale, bias)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     want = x16_reference(x, weight) + bias.double()
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(got.double(), want, **tolerance)
-    # off the unrounded product by at most half a step of each x group times the weights' magnitudes
-    dense = weight.dequantize(torch.float64)
-    width = -(-in_features // GROUP) * GROUP
-    magnitudes = F.pad(dense.abs(), (0, width - in_features)).view(out_features, -1, GROUP).sum(dim=2)
-    full = F.linear(x.double(), dense, bias.double())
-    assert bool(((want - full).abs() <= 0.51 * x16_groups(x, width)[1] @ magnitudes.t() + 1e-9).all())  # + float32 ulps
+    assert_within_half_a_step(want, x, weight.dequantize(torch.float64), bias)
     # the plan's candidates offer it for int8 weights, few rows (w8a8 keeps its own product)
     assert "native.x16" in candidates("int8", True, in_features, 8, native)
     assert "native.x16" not in candidates("int8", True, in_features, 65, native)

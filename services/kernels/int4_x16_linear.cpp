@@ -23,12 +23,10 @@
 // lanes' pattern. Threads split N.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "int4_block.h"
@@ -41,7 +39,6 @@
 namespace {
 
 using namespace int4;
-constexpr int64_t kTile = 4;  // x rows per pass over W
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of its reads W is prefetched
 
 // The column of a block (0..63) that kernel slot s holds: slot 16v + 8L + i is int16 lane i of 128-bit lane L
@@ -129,34 +126,18 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();
-  const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  const float* bv = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
-  torch::Tensor y = torch::empty({M, N}, x.options());  // x's dtype: each value rounded once, bias included
-  with_data(y, [&](auto* out) {
-    using Out = std::remove_pointer_t<decltype(out)>;
-    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
-      float acc[kTile];
-      for (int64_t m = 0; m < M; m += kTile) {
-        const int64_t mt = std::min(kTile, M - m);
-        const int16_t* xm = r.xq.data() + m * Kp;
-        const float* xs = xlanes.data() + m * (Kp / kBlock) * 8;
-        for (int64_t n = n0; n < n1; ++n) {
-          const uint8_t* row = q + n * Kp / 2;
-          switch (mt) {
-            case 1: dot_row<1>(xm, xs, Kp, row, s + n * groups, acc); break;
-            case 2: dot_row<2>(xm, xs, Kp, row, s + n * groups, acc); break;
-            case 3: dot_row<3>(xm, xs, Kp, row, s + n * groups, acc); break;
-            default: dot_row<4>(xm, xs, Kp, row, s + n * groups, acc); break;
-          }
-          for (int64_t i = 0; i < mt; ++i) {
-            const float v = acc[i] + offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
-            out[(m + i) * N + n] = static_cast<Out>(bv ? v + bv[n] : v);
-          }
-        }
-      }
-    });
+  return x16_product(x, N, bias, [&](int64_t mt, int64_t m, int64_t n, float* acc) {
+    const int16_t* xm = r.xq.data() + m * Kp;
+    const float* xs = xlanes.data() + m * (Kp / kBlock) * 8;
+    const uint8_t* row = q + n * Kp / 2;
+    switch (mt) {
+      case 1: dot_row<1>(xm, xs, Kp, row, s + n * groups, acc); break;
+      case 2: dot_row<2>(xm, xs, Kp, row, s + n * groups, acc); break;
+      case 3: dot_row<3>(xm, xs, Kp, row, s + n * groups, acc); break;
+      default: dot_row<4>(xm, xs, Kp, row, s + n * groups, acc); break;
+    }
+    for (int64_t i = 0; i < mt; ++i) acc[i] += offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
   });
-  return y;
 }
 
 #endif  // AVX2, FMA, F16C

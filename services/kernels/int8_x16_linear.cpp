@@ -15,11 +15,9 @@
 // conversions and an FMA per 8 weights. Threads split N; each W row is read once per 4 rows of x.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "x16_groups.h"
@@ -30,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32, kTile = 4;  // kTile: x rows per pass over W
+constexpr int64_t kGroup = 32;
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of its reads W is prefetched
 
 // acc[m] = sum_g xscale[m, g] * (w_g . xq_g) for MT rows of x (xq [*, Kp], xscale [*, groups]) against one
@@ -84,33 +82,17 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
   const X16Groups r = x16_groups(x, Kp);
   const int8_t* wv = w.data_ptr<int8_t>();
   const float* sv = scale.data_ptr<float>();
-  const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  const float* bv = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
-  torch::Tensor y = torch::empty({M, N}, x.options());  // x's dtype: each value rounded once, bias included
-  with_data(y, [&](auto* out) {
-    using Out = std::remove_pointer_t<decltype(out)>;
-    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
-      float acc[kTile];
-      for (int64_t m = 0; m < M; m += kTile) {
-        const int64_t mt = std::min(kTile, M - m);
-        const int16_t* xm = r.xq.data() + m * Kp;
-        const float* xs = r.xscale.data() + m * groups;
-        for (int64_t n = n0; n < n1; ++n) {
-          switch (mt) {
-            case 1: dot_row<1>(xm, xs, Kp, wv + n * K, K, acc); break;
-            case 2: dot_row<2>(xm, xs, Kp, wv + n * K, K, acc); break;
-            case 3: dot_row<3>(xm, xs, Kp, wv + n * K, K, acc); break;
-            default: dot_row<4>(xm, xs, Kp, wv + n * K, K, acc); break;
-          }
-          for (int64_t i = 0; i < mt; ++i) {
-            const float v = acc[i] * sv[n];
-            out[(m + i) * N + n] = static_cast<Out>(bv ? v + bv[n] : v);
-          }
-        }
-      }
-    });
+  return x16_product(x, N, bias, [&](int64_t mt, int64_t m, int64_t n, float* acc) {
+    const int16_t* xm = r.xq.data() + m * Kp;
+    const float* xs = r.xscale.data() + m * groups;
+    switch (mt) {
+      case 1: dot_row<1>(xm, xs, Kp, wv + n * K, K, acc); break;
+      case 2: dot_row<2>(xm, xs, Kp, wv + n * K, K, acc); break;
+      case 3: dot_row<3>(xm, xs, Kp, wv + n * K, K, acc); break;
+      default: dot_row<4>(xm, xs, Kp, wv + n * K, K, acc); break;
+    }
+    for (int64_t i = 0; i < mt; ++i) acc[i] *= sv[n];
   });
-  return y;
 }
 
 #endif  // AVX2, FMA, F16C

@@ -16,10 +16,12 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 struct X16Groups {
@@ -74,4 +76,30 @@ inline X16Groups x16_groups(const torch::Tensor& x, int64_t Kp, const std::vecto
     }
   });
   return r;
+}
+
+// y [M, N] in x's dtype (bias [N] added, each value rounded once) of a kernel whose rows(mt, m, n, acc) puts
+// into acc[0..mt) the float32 results of x rows m..m+mt (mt <= 4) against W row n. Threads split N; each
+// thread streams its W rows once for every 4 rows of x.
+template <typename Rows>
+torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& bias, Rows rows) {
+  constexpr int64_t kTile = 4;
+  const int64_t M = x.size(0);
+  const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  const float* bv = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  with_data(y, [&](auto* out) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+      float acc[kTile];
+      for (int64_t m = 0; m < M; m += kTile) {
+        const int64_t mt = std::min(kTile, M - m);
+        for (int64_t n = n0; n < n1; ++n) {
+          rows(mt, m, n, acc);
+          for (int64_t i = 0; i < mt; ++i) out[(m + i) * N + n] = static_cast<Out>(bv ? acc[i] + bv[n] : acc[i]);
+        }
+      }
+    });
+  });
+  return y;
 }
