@@ -50,6 +50,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--worker-restarts", type=flags.non_negative_int, default=3,
                        help="times Ray starts a dead worker again (it reloads the model)")
     serve.add_argument("--detached", action="store_true", help="workers outlive this process")
+    serve.add_argument("--startup-timeout", type=flags.positive_float, default=600.0,
+                       help="seconds the workers may take to start: load the model, and on a new host build the "
+                            "native kernels and time them (default 600)")
     serve.add_argument("--tensor-parallel-size", type=flags.positive_int, default=1,
                        help="ranks per worker, sharding the model (docs/tensor-parallel.md)")
     serve.add_argument("--prefill-tensor-parallel-size", type=flags.positive_int, default=None,
@@ -79,7 +82,7 @@ def serve_cluster(args: argparse.Namespace) -> None:
                        decode_resource=args.decode_resource, prefill_labels=args.prefill_labels,
                        decode_labels=args.decode_labels, engine_options=options, role_engine_options=role_options,
                        pin_cpus=not args.no_pin_cpus,
-                       detached=args.detached, max_restarts=args.worker_restarts,
+                       detached=args.detached, max_restarts=args.worker_restarts, startup_timeout=args.startup_timeout,
                        gpus_per_worker=args.gpus_per_worker,
                        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size or args.tensor_parallel_size,
                        decode_tensor_parallel_size=args.decode_tensor_parallel_size or args.tensor_parallel_size,

@@ -96,6 +96,7 @@ def test_bad_engine_options_and_model_folder_are_refused(tmp_path):
     ["serve", "--peak-tflops", "nan"], ["serve", "--max-pending", "0"], ["serve", "--max-pending", "many"],
     ["serve", "--local-prefill-tokens", "-1"], ["serve", "--request-timeout", "0"], ["serve", "--request-timeout", "x"],
     ["serve", "--local-prefill-tokens", "some"], ["serve", "--gpus-per-worker", "2"], ["serve", "--gpus-per-worker", "-0.5"], ["serve", "--gpus-per-worker", "x"],
+    ["serve", "--startup-timeout", "0"], ["serve", "--startup-timeout", "soon"],
 ])
 def test_cli_refuses_bad_flags(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -127,6 +128,17 @@ def test_cli_parses_labels():
     assert build_parser().parse_args(["serve", "--local-prefill-tokens", "auto"]).local_prefill_tokens is None
     assert args.gpus_per_worker is None and build_parser().parse_args(["serve", "--gpus-per-worker", "auto"]).gpus_per_worker is None
     assert build_parser().parse_args(["serve", "--gpus-per-worker", "0.5"]).gpus_per_worker == 0.5
+
+
+def test_serve_gives_its_workers_the_startup_timeout(monkeypatch, tiny_path):
+    import router.launcher
+
+    started = {}
+    monkeypatch.setattr(router.launcher, "serve", lambda spec, *args, **kwargs: started.update(spec=spec))
+    for argv, timeout in ((["serve"], 600.0), (["serve", "--startup-timeout", "45"], 45.0)):
+        args = build_parser().parse_args([*argv, "--model", str(tiny_path)])
+        args.run(args)
+        assert started.pop("spec").startup_timeout == timeout
 
 
 def test_cli_quantization_per_role(tiny_path):

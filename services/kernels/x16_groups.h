@@ -19,10 +19,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#include "vec_load.h"
+
+// The x16 kernels exist only where the CPU has AVX2, FMA and F16C.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 struct X16Groups {
   std::vector<int16_t> xq;
@@ -41,30 +45,46 @@ inline void with_data(const torch::Tensor& t, Run run) {
   }
 }
 
+// The largest of v's 8 lanes.
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // columns: for block order, the column (0..63) each of a 64-column block's slots holds; Kp whole blocks.
+// A group is 4 vectors of 8: its largest magnitude and sum, then x * 32767 / amax converted with the CPU's
+// rounding (to nearest, halves to even) and packed to int16 (the values are within +-32767: no saturation).
 inline X16Groups x16_groups(const torch::Tensor& x, int64_t Kp, const std::vector<int>* columns = nullptr) {
   constexpr int64_t kGroup = 32, kBlock = 64;
   const int64_t M = x.size(0), K = x.size(1), groups = Kp / kGroup;
   TORCH_CHECK(Kp % kGroup == 0 && Kp >= K && (columns == nullptr || Kp % kBlock == 0), "bad padded width");
   const torch::Tensor xc = x.contiguous();
   X16Groups r{std::vector<int16_t>(M * Kp), std::vector<float>(M * groups), std::vector<float>(M * groups)};
-  std::vector<float> row(K);  // one row as float32
+  std::vector<float> row(Kp, 0.f);  // one row as float32, zeros past K
   std::vector<int16_t> q(Kp);  // one row in column order
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   with_data(xc, [&](const auto* xv) {
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xv[m * K + k]);
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(row.data() + k, load8(xv + m * K + k));
+      for (; k < K; ++k) row[k] = static_cast<float>(xv[m * K + k]);
       for (int64_t g = 0; g < groups; ++g) {
-        const int64_t end = std::min((g + 1) * kGroup, K);
-        float amax = 0.f, sum = 0.f;
-        for (int64_t k = g * kGroup; k < end; ++k) {
-          amax = std::max(amax, std::fabs(row[k]));
-          sum += row[k];
-        }
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
-          q[k] = k < K ? static_cast<int16_t>(std::nearbyint(row[k] * inv)) : 0;
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(row.data() + g * kGroup + 8 * i);
+        const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                         _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+        const float amax = max8(top);
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+        __m256i i32[4];
+        for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        // packs interleaves the 128-bit lanes: 0xD8 puts the four 64-bit quarters back in order
+        const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[0], i32[1]), 0xD8);
+        const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[2], i32[3]), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + g * kGroup), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + g * kGroup + 16), hi);
         r.xscale[m * groups + g] = amax / 32767.f;
-        r.xsum[m * groups + g] = sum;
+        r.xsum[m * groups + g] = sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
       }
       int16_t* out = r.xq.data() + m * Kp;
       if (columns == nullptr) {
@@ -103,3 +123,5 @@ torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional
   });
   return y;
 }
+
+#endif  // AVX2, FMA, F16C
