@@ -39,7 +39,6 @@
 namespace {
 
 using namespace int4;
-constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of its reads W is prefetched
 
 // The column of a block (0..63) that kernel slot s holds: slot 16v + 8L + i is int16 lane i of 128-bit lane L
 // of vector v = 2 * nibble + unpack (nibble: 0 low, 1 high; unpack: 0 lo, 1 hi), i.e. byte 16L + 8 unpack + i.
@@ -72,9 +71,7 @@ void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const uint8_t* 
   __m256 vacc[MT][2];
   for (int m = 0; m < MT; ++m) vacc[m][0] = vacc[m][1] = _mm256_setzero_ps();
   auto block = [&](int64_t b, int a) __attribute__((always_inline)) {
-    // 8 KB ahead, a cache line per two blocks: the hardware prefetcher alone left a 16384 x 2048 product
-    // at 28 GB/s, this at 32-34 (Zen 3; the read ceiling is 38-50). A prefetch is a hint: past the last
-    // row it never faults
+    // a cache line per two blocks, kPrefetchBytes ahead (x16_groups.h)
     if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(packed + kPrefetchBytes + b * 32), _MM_HINT_T0);
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32));
     const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
@@ -126,17 +123,10 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();
-  return x16_product(x, N, bias, [&](int64_t mt, int64_t m, int64_t n, float* acc) {
-    const int16_t* xm = r.xq.data() + m * Kp;
-    const float* xs = xlanes.data() + m * (Kp / kBlock) * 8;
-    const uint8_t* row = q + n * Kp / 2;
-    switch (mt) {
-      case 1: dot_row<1>(xm, xs, Kp, row, s + n * groups, acc); break;
-      case 2: dot_row<2>(xm, xs, Kp, row, s + n * groups, acc); break;
-      case 3: dot_row<3>(xm, xs, Kp, row, s + n * groups, acc); break;
-      default: dot_row<4>(xm, xs, Kp, row, s + n * groups, acc); break;
-    }
-    for (int64_t i = 0; i < mt; ++i) acc[i] += offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
+  return x16_product(x, N, bias, [&](auto tile, int64_t m, int64_t n, float* acc) {
+    constexpr int MT = decltype(tile)::value;
+    dot_row<MT>(r.xq.data() + m * Kp, xlanes.data() + m * (Kp / kBlock) * 8, Kp, q + n * Kp / 2, s + n * groups, acc);
+    for (int i = 0; i < MT; ++i) acc[i] += offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
   });
 }
 

@@ -29,7 +29,6 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of its reads W is prefetched
 
 // acc[m] = sum_g xscale[m, g] * (w_g . xq_g) for MT rows of x (xq [*, Kp], xscale [*, groups]) against one
 // W row of K int8 (the last group, when K is not whole groups, in scalar code: the row ends there).
@@ -39,8 +38,7 @@ void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w
   __m256 vacc[MT][2];
   for (int m = 0; m < MT; ++m) vacc[m][0] = vacc[m][1] = _mm256_setzero_ps();
   auto group = [&](int64_t g, int a) __attribute__((always_inline)) {
-    // 8 KB ahead, a cache line per two groups, as int4_x16_linear.cpp (2 or 4 KB: 10% slower, 16384 x 2048 and
-    // 2048 x 8192 on a Zen 3; a prefetch is a hint: past the last row it never faults)
+    // a cache line per two groups, kPrefetchBytes ahead (x16_groups.h)
     if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + g * kGroup), _MM_HINT_T0);
     const __m128i* wg = reinterpret_cast<const __m128i*>(w + g * kGroup);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wg)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wg + 1));
@@ -82,16 +80,10 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
   const X16Groups r = x16_groups(x, Kp);
   const int8_t* wv = w.data_ptr<int8_t>();
   const float* sv = scale.data_ptr<float>();
-  return x16_product(x, N, bias, [&](int64_t mt, int64_t m, int64_t n, float* acc) {
-    const int16_t* xm = r.xq.data() + m * Kp;
-    const float* xs = r.xscale.data() + m * groups;
-    switch (mt) {
-      case 1: dot_row<1>(xm, xs, Kp, wv + n * K, K, acc); break;
-      case 2: dot_row<2>(xm, xs, Kp, wv + n * K, K, acc); break;
-      case 3: dot_row<3>(xm, xs, Kp, wv + n * K, K, acc); break;
-      default: dot_row<4>(xm, xs, Kp, wv + n * K, K, acc); break;
-    }
-    for (int64_t i = 0; i < mt; ++i) acc[i] *= sv[n];
+  return x16_product(x, N, bias, [&](auto tile, int64_t m, int64_t n, float* acc) {
+    constexpr int MT = decltype(tile)::value;
+    dot_row<MT>(r.xq.data() + m * Kp, r.xscale.data() + m * groups, Kp, wv + n * K, K, acc);
+    for (int i = 0; i < MT; ++i) acc[i] *= sv[n];
   });
 }
 
