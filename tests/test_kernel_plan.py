@@ -121,7 +121,7 @@ def test_packed_copies_are_kept_only_where_chosen_and_only_when_they_fit(cache_d
     if not ONEDNN_PACKS.supported(torch.float32):
         pytest.skip("this torch build packs no float32 weights for oneDNN")
     mats = weights()
-    def packed_wins_many_rows_of_32x16(fns, device, rows):  # as timing does, runs every candidate (so packs all)
+    def packed_wins_many_rows_of_32x16(fns, device, rows, before=None):  # as timing does, runs every candidate (so packs all)
         for fn in fns.values():
             fn()
         shape = next(iter(fns.values())).args[1].shape

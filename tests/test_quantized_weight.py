@@ -96,8 +96,10 @@ def test_native_x16_kernel_is_its_reference(native, dtype, rows, out_features, i
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(got.double(), want, **tolerance)
     assert_within_half_a_step(want, x, weight.dequantize(torch.float64), bias)
+    for streams in (2, 3, 4):  # each thread's rows read as parts in turn: every output computed as before
+        assert torch.equal(native.int8_x16_linear(x, weight.qweight, weight.scale, bias, streams), got)
     # the plan's candidates offer it for int8 weights, few rows (w8a8 keeps its own product)
-    assert "native.x16" in candidates("int8", True, in_features, 8, native)
+    assert {"native.x16", "native.x16.4streams"} <= set(candidates("int8", True, in_features, 8, native))
     assert "native.x16" not in candidates("int8", True, in_features, 65, native)
     assert "native.x16" not in candidates("w8a8", True, in_features, 8, native)
 
@@ -112,3 +114,5 @@ def test_native_x16_kernel_refuses_mismatched_shapes(native):
         native.int8_x16_linear(torch.ones(1, 40), weight.qweight, weight.scale.half(), None)
     with pytest.raises(RuntimeError, match="w must be a contiguous CPU int8"):
         native.int8_x16_linear(torch.ones(1, 40), weight.qweight.float(), weight.scale, None)
+    with pytest.raises(RuntimeError, match="streams must be at least 1, got 0"):
+        native.int8_x16_linear(torch.ones(1, 40), weight.qweight, weight.scale, None, 0)

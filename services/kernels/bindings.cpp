@@ -13,9 +13,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                               const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
+                               const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams);
 torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
-                               const c10::optional<torch::Tensor>& bias);
+                               const c10::optional<torch::Tensor>& bias, int64_t streams);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
@@ -30,9 +30,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_tiled_linear", &int4_tiled_linear, "int4_linear for several rows: W dequantized 16 rows at a time");
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("int4_x16_linear", &int4_x16_linear,
-        "int4_linear with x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs)");
+        "int4_linear with x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs); each thread reads its W "
+        "rows as `streams` parts in turn",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("bias"), py::arg("streams") = 1);
   m.def("int8_x16_linear", &int8_x16_linear,
-        "y[M, N] = x @ (w * scale)^T (+ bias), x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs)");
+        "y[M, N] = x @ (w * scale)^T (+ bias), x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs); "
+        "each thread reads its W rows as `streams` parts in turn",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("streams") = 1);
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,

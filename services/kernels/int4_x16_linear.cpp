@@ -114,7 +114,7 @@ float offsets(const at::Half* lo, const float* xsum, int64_t groups) {
 }  // namespace
 
 torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                               const torch::Tensor& low, const c10::optional<torch::Tensor>& bias) {
+                               const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams) {
   const Int4Args w = check_product(x, packed, scale, low);
   const int64_t M = x.size(0), N = w.N, Kp = w.Kp, groups = w.groups;
   static const std::vector<int> columns = slot_columns();
@@ -123,7 +123,7 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();
-  return x16_product(x, N, bias, [&](auto tile, int64_t m, int64_t n, float* acc) {
+  return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
     constexpr int MT = decltype(tile)::value;
     dot_row<MT>(r.xq.data() + m * Kp, xlanes.data() + m * (Kp / kBlock) * 8, Kp, q + n * Kp / 2, s + n * groups, acc);
     for (int i = 0; i < MT; ++i) acc[i] += offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);

@@ -69,7 +69,7 @@ void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w
 }  // namespace
 
 torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
-                               const c10::optional<torch::Tensor>& bias) {
+                               const c10::optional<torch::Tensor>& bias, int64_t streams) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
               "w must be a contiguous CPU int8 [N, K]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
@@ -80,7 +80,7 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
   const X16Groups r = x16_groups(x, Kp);
   const int8_t* wv = w.data_ptr<int8_t>();
   const float* sv = scale.data_ptr<float>();
-  return x16_product(x, N, bias, [&](auto tile, int64_t m, int64_t n, float* acc) {
+  return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
     constexpr int MT = decltype(tile)::value;
     dot_row<MT>(r.xq.data() + m * Kp, r.xscale.data() + m * groups, Kp, wv + n * K, K, acc);
     for (int i = 0; i < MT; ++i) acc[i] *= sv[n];

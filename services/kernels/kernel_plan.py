@@ -28,6 +28,7 @@ from services.engine_config import KERNEL_MODES
 from services.int4_weight import Int4Weight
 from services.kernels import attention_choice
 from services.kernels import native as native_build
+from services.kernels.cold_cache import ColdCache
 from services.kernels.linear_candidates import LinearFn, candidates
 from services.kernels.onednn_packs import ONEDNN_PACKS, fits
 from services.quantized_weight import Int8Weight
@@ -109,6 +110,7 @@ class KernelPlan:
         # oneDNN's packed copies are a second copy of a weight: offered only where all of them would fit
         packed = device.type == "cpu" and mode != "native" and fits(sum(w.nbytes for w in dense.values()))
         choices: dict[tuple, tuple[str, ...]] = {}
+        cold = ColdCache.for_weights(sum(w.nbytes for w in {id(w): w for w in weights}.values()), device)
         for weight in weights:
             key = weight_key(weight)
             if key in choices:
@@ -125,7 +127,9 @@ class KernelPlan:
                 name = cache.get(entry, found)
                 if name is None:
                     x = torch.randn(rows, weight.shape[1], device=device).to(dtype)
-                    name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows)
+                    # few rows read W from memory in the engine (cold): time them so; many rows are compute-bound
+                    name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows,
+                                    cold.evict if cold is not None and rows <= 64 else None)
                     measured += len(found) > 1 and cache.put(entry, name)
                 names.append(name)
             choices[key] = tuple(names)
@@ -165,7 +169,9 @@ def _keep_chosen_packs(dense: Iterable[torch.Tensor], choices: dict[tuple, tuple
     return kept
 
 
-def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int) -> str:
+def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int,
+             before: Callable[[], object] | None = None) -> str:
+    """The name of the fastest of `fns`, best of interleaved rounds; `before` runs, untimed, ahead of each call."""
     if len(fns) == 1:
         return next(iter(fns))
     best = dict.fromkeys(fns, float("inf"))
@@ -174,6 +180,8 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: i
             fn()  # warm-up: first calls allocate and pack
         for round_ in range(3 if rows > 64 else 7):  # interleaved, so a noisy moment hits every candidate
             for name, fn in fns.items():
+                if before is not None:
+                    before()
                 start = time.perf_counter()
                 fn()
                 if device.type == "cuda":

@@ -114,16 +114,24 @@ def _native(module: ModuleType, rows: int) -> LinearFn:
     return skinny
 
 
-def _native_int8_x16(kernel: Callable) -> LinearFn:
+def _native_int8_x16(kernel: Callable, streams: int = 1) -> LinearFn:
     def int8_x16(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, weight.qweight, weight.scale, bias)
+        return kernel(x, weight.qweight, weight.scale, bias, streams)
     return int8_x16
 
 
-def _native_int4(kernel: Callable) -> LinearFn:
+def _native_int4(kernel: Callable, streams: int | None = None) -> LinearFn:
+    # streams: for the x16 kernel, how many parts of its W rows each thread reads in turn
     def int4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, weight.packed, weight.scale, weight.low, bias)
+        if streams is None:
+            return kernel(x, weight.packed, weight.scale, weight.low, bias)
+        return kernel(x, weight.packed, weight.scale, weight.low, bias, streams)
     return int4
+
+
+# x16 kernels: each thread's W rows also read as this many parts in turn (x16_groups.h: more of W in flight
+# where the kernel waits on memory; where it waits on its arithmetic, one part wins)
+X16_STREAMS = 4
 
 
 def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None,
@@ -143,7 +151,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and native is not None and max_rows <= 64:
             found["native"] = _native_int4(native.int4_linear)  # streams W, converts per row
             if hasattr(native, "int4_x16_linear"):  # built on AVX2 CPUs: x as int16 per group, integer dots
-                found["native.x16"] = _native_int4(native.int4_x16_linear)
+                found["native.x16"] = _native_int4(native.int4_x16_linear, 1)
+                found[f"native.x16.{X16_STREAMS}streams"] = _native_int4(native.int4_x16_linear, X16_STREAMS)
             if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
                 found["native.tiled"] = _native_int4(native.int4_tiled_linear)
         return found
@@ -164,6 +173,7 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and native is not None and max_rows <= 64 and hasattr(native, "int8_x16_linear"):
             # built on AVX2 CPUs: x as int16 per 32-column group, integer multiply-adds (int4's likewise)
             found["native.x16"] = _native_int8_x16(native.int8_x16_linear)
+            found[f"native.x16.{X16_STREAMS}streams"] = _native_int8_x16(native.int8_x16_linear, X16_STREAMS)
     else:
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:

@@ -99,9 +99,14 @@ inline X16Groups x16_groups(const torch::Tensor& x, int64_t Kp, const std::vecto
 // y [M, N] in x's dtype (bias [N] added, each value rounded once) of a kernel whose rows(tile, m, n, acc) puts
 // into acc[0..MT) the float32 results of x rows m..m+MT against W row n, MT = decltype(tile)::value (1..4, a
 // compile-time constant: the kernels keep MT rows of accumulators in registers). Threads split N; each thread
-// streams its W rows once for every 4 rows of x.
+// streams its W rows once for every 4 rows of x, as `streams` parts read in turn, a row of each: the CPU's
+// prefetchers follow each part as its own stream, so more of W is in flight. On an AMD EPYC Zen 3 (2 threads,
+// a cycle of 16384 x 2048 int8 weights) 4 parts read ~1.17x faster than 1; int4's kernel, bound by its
+// arithmetic there, ran ~0.75x as fast: the kernel plan times both (docs/kernels.md).
 template <typename Rows>
-torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& bias, Rows rows) {
+torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                          Rows rows) {
+  TORCH_CHECK(streams >= 1, "streams must be at least 1, got ", streams);
   constexpr int64_t kTile = 4;
   const int64_t M = x.size(0);
   const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
@@ -111,9 +116,10 @@ torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional
     using Out = std::remove_pointer_t<decltype(out)>;
     at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
       float acc[kTile];
+      const int64_t per = (n1 - n0) / streams;  // W rows of each part; the rest after them, in order
       for (int64_t m = 0; m < M; m += kTile) {
         const int64_t mt = std::min(kTile, M - m);
-        for (int64_t n = n0; n < n1; ++n) {
+        auto row = [&](int64_t n) {
           switch (mt) {
             case 1: rows(std::integral_constant<int, 1>{}, m, n, acc); break;
             case 2: rows(std::integral_constant<int, 2>{}, m, n, acc); break;
@@ -121,7 +127,10 @@ torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional
             default: rows(std::integral_constant<int, 4>{}, m, n, acc); break;
           }
           for (int64_t i = 0; i < mt; ++i) out[(m + i) * N + n] = static_cast<Out>(bv ? acc[i] + bv[n] : acc[i]);
-        }
+        };
+        for (int64_t i = 0; i < per; ++i)
+          for (int64_t s = 0; s < streams; ++s) row(n0 + s * per + i);
+        for (int64_t n = n0 + streams * per; n < n1; ++n) row(n);
       }
     });
   });
