@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_LLC_BYTES = 32 << 20  # where sysfs does not say (not Linux)
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs writes "32768K"
 
 
 def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -27,8 +28,7 @@ def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/ca
             text = (index / "size").read_text().strip().upper()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        number, unit = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
+        number, unit = (text[:-1], SIZE_UNITS[text[-1]]) if text and text[-1] in SIZE_UNITS else (text, 1)
         if number.isdigit():
             sizes.append(int(number) * unit)
     return max(sizes, default=DEFAULT_LLC_BYTES)

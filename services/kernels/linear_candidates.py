@@ -120,12 +120,10 @@ def _native_int8_x16(kernel: Callable, streams: int = 1) -> LinearFn:
     return int8_x16
 
 
-def _native_int4(kernel: Callable, streams: int | None = None) -> LinearFn:
-    # streams: for the x16 kernel, how many parts of its W rows each thread reads in turn
+def _native_int4(kernel: Callable, *options: int) -> LinearFn:
+    # options: the kernel's own trailing arguments (the x16 kernel's streams)
     def int4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        if streams is None:
-            return kernel(x, weight.packed, weight.scale, weight.low, bias)
-        return kernel(x, weight.packed, weight.scale, weight.low, bias, streams)
+        return kernel(x, weight.packed, weight.scale, weight.low, bias, *options)
     return int4
 
 
