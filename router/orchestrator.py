@@ -59,13 +59,14 @@ class Orchestrator:
         if params.seed is None:  # chosen here, so that a resumed stream samples what it would have
             params = replace(params, seed=secrets.randbits(63))
         request = DecodeRequest(request_id, prompt_token_ids, params)
-        keys = self.prefixes.keys(prompt_token_ids) if self.mode == "disaggregated" else []
+        keys = self.prefixes.keys(prompt_token_ids)
         local = self.mode == "colocated" or self._prefill_locally(len(prompt_token_ids), keys)
         if local and self.mode == "disaggregated":
             METRICS.local_prefills.inc()
         prefilled = None if local else await self._prefill(request, keys)
         if prefilled is None:  # colocated, short, or no prefill worker left: a decode worker prefills
-            async for delta in self._decode_anywhere(request, None):
+            # Colocated, the decode workers' prefix caches are the ones a prompt may hit: route by them.
+            async for delta in self._decode_anywhere(request, None, keys if self.mode == "colocated" else []):
                 yield delta
             return
         meta, prefill = prefilled
@@ -122,13 +123,17 @@ class Orchestrator:
                     METRICS.prefill_failovers.inc()
         return None
 
-    async def _decode_anywhere(self, request: DecodeRequest, kv: list | None) -> AsyncIterator[TokenDelta]:
+    async def _decode_anywhere(self, request: DecodeRequest, kv: list | None, keys: list = ()
+                               ) -> AsyncIterator[TokenDelta]:
         """Decode on the least loaded worker; if it dies, resume on another (up to max_failovers).
-        If the KV cannot be used there (lost with its node, or corrupt), recompute the prompt."""
+        If the KV cannot be used there (lost with its node, or corrupt), recompute the prompt.
+        `keys` (the prompt's prefix keys, when the decode worker prefills it): of equally loaded
+        workers, the one that likely holds the prefix is chosen, and it is recorded as holding it."""
         delivered = [] if request.first_token_id is None else [request.first_token_id]
         try:
             for attempt in range(self.max_failovers + 1):
-                with self.pool.claim("decode", 1) as worker:
+                with self.pool.claim("decode", 1, self.prefixes.cached_tokens(keys)) as worker:
+                    self.prefixes.record(keys, worker.name)
                     try:
                         async for delta in self._decode(worker, request, kv):
                             delivered += delta.token_ids

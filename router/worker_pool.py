@@ -115,16 +115,17 @@ class WorkerPool:
         candidates = self.role(role)
         if not candidates:
             return None
-        if role == "decode":
-            return min(candidates, key=lambda w: (w.outstanding, -w.free_kv_blocks))
         cached = cached or {}
+        if role == "decode":  # requests, then a cached prefix, then room for the KV
+            return min(candidates, key=lambda w: (w.outstanding, -cached.get(w.name, 0), -w.free_kv_blocks))
         return min(candidates, key=lambda w: w.outstanding - cached.get(w.name, 0))
 
     @contextlib.contextmanager
     def claim(self, role: str, load: int, cached: dict[str, int] | None = None) -> Iterator[WorkerHandle]:
-        """The least loaded live worker of `role`, charged `load` until the block exits. For prefill,
-        `cached` (tokens of this prompt a worker likely has cached) lowers that worker's cost: the
-        choice minimizes queued tokens plus the tokens it must compute."""
+        """The least loaded live worker of `role`, charged `load` until the block exits. `cached`:
+        tokens of this prompt a worker likely has cached. For prefill it lowers that worker's cost
+        (the choice minimizes queued tokens plus the tokens it must compute); for decode (load:
+        requests) it breaks ties between equally loaded workers."""
         worker = self.best(role, cached)
         if worker is None:
             raise APIError(503, f"no {role} worker is alive", retry_after=1)

@@ -48,3 +48,18 @@ def test_prefill_choice_weighs_queued_tokens_against_cached_ones():
     with pool.claim("prefill", 40) as worker:
         assert worker.name == "prefill-0"
     assert [w.outstanding for w in pool.workers.values()] == [0, 40]
+
+
+def test_decode_choice_is_load_first_then_the_cached_prefix_then_free_kv():
+    """Colocated workers prefill what they decode: of equally loaded ones, the one holding the prompt's
+    prefix is chosen even when another has more free KV (a stats poll may have just lowered its count)."""
+    pool = WorkerPool("test")
+    pool.workers = {n: WorkerHandle(n, "decode", actor=None) for n in ("decode-0", "decode-1")}
+    pool.workers["decode-0"].free_kv_blocks, pool.workers["decode-1"].free_kv_blocks = 10, 50
+    with pool.claim("decode", 1) as worker:
+        assert worker.name == "decode-1"
+    with pool.claim("decode", 1, {"decode-0": 32}) as worker:
+        assert worker.name == "decode-0" and worker.outstanding == 1
+    pool.workers["decode-0"].outstanding = 1  # busier: load comes before the cache
+    with pool.claim("decode", 1, {"decode-0": 32}) as worker:
+        assert worker.name == "decode-1"
