@@ -9,21 +9,15 @@ from pathlib import Path
 
 import torch
 
+from services.kernels.native import cpu_model
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def environment() -> dict:
     """What every figure must be stated with: CPU, thread count, library versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "num_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

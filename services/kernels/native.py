@@ -34,24 +34,33 @@ DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"  # "0": never compile or load them
 
 
 def cpu_model() -> str:
-    """The CPU's marketing name ("AMD EPYC", "Intel(R) Xeon(R) ...") for logs, figures and cache keys."""
+    """The CPU's marketing name and generation ("AMD EPYC (family 23 model 49)", "Intel(R) Xeon(R) ...
+    (family 6 model 143)") for logs, figures and cache keys: cloud hosts often name only the brand, and
+    one "AMD EPYC" has been a Zen 2, a Zen 3 and a Zen 4, whose best kernels differ."""
+    fields = _cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's lines of /proc/cpuinfo as {field: value}; {} where there is none."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+    """The CPU's feature flags, space-separated ("fpu vme ... avx2 ..."); "" where unknown."""
+    return _cpuinfo_fields().get("flags", "")
 
 
 def int8_dot_products() -> bool:
