@@ -12,6 +12,7 @@ from services.int4_weight import GROUP, Int4Weight
 from services.kernels.kernel_plan import KernelPlan
 from services.kernels.linear_candidates import candidates
 from services.kernels.native import load
+from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.quantized_weight import quantize
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
@@ -155,6 +156,7 @@ def test_every_int4_candidate_computes_the_same_product(rows, in_features):
     assert ("native" in found) == (load() is not None and rows <= 64) and "dequant.linear" in found
     assert ("native.tiled" in found) == (load() is not None and 1 < rows <= 64)
     assert ("native.x16" in found) == (hasattr(load(), "int4_x16_linear") and rows <= 64)
+    assert ("dequant.float32.onednn" in found) == (rows > 1 and ONEDNN_PACKS.supported(torch.float32))
     want = F.linear(x.float(), weight.dequantize(torch.float32), bias.float())
     for name, fn in found.items():
         got = fn(x, weight, bias)

@@ -43,6 +43,9 @@ def test_every_candidate_computes_the_same_product(quantized, rows):
     assert ("torch.mv" in found) == (not quantized and rows == 1)
     assert ("onednn.packed" in found) == (not quantized and ONEDNN_PACKS.supported(torch.bfloat16))
     assert "torch.int8pack" not in found  # 40 columns: torch's kernel would crash
+    onednn = rows > 1 and ONEDNN_PACKS.supported(torch.float32)
+    assert ("float32.onednn" in found) == (not quantized and onednn)
+    assert ("dequant.float32.onednn" in found) == (quantized and onednn)
     if quantized:
         assert "torch.int8pack" in candidates("int8", True, 64, 8, None)
     for name, fn in found.items():
@@ -50,6 +53,20 @@ def test_every_candidate_computes_the_same_product(quantized, rows):
         assert got.shape == (rows, 24) and got.dtype == torch.bfloat16, name
         want = F.linear(x.float(), reference, bias.float())
         assert (got.float() - want).abs().max() <= 0.02 * want.abs().max(), name  # bf16 rounding (and scale's)
+
+
+@pytest.mark.parametrize("rows", [5, 70])
+def test_float32_weights_have_onednns_product_beside_torchs(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight, x, bias = torch.randn(24, 40, generator=g), torch.randn(rows, 40, generator=g), torch.randn(24, generator=g)
+    found = candidates("float32", True, 40, 8 if rows <= 8 else 1 << 62, None)
+    if not ONEDNN_PACKS.supported(torch.float32):
+        pytest.skip("this torch build has no oneDNN float32 product")
+    want = F.linear(x.double(), weight.double(), bias.double())
+    for name in ("torch.linear", "onednn.linear"):
+        got = found[name](x, weight, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, 24)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def weights() -> list[torch.Tensor]:

@@ -62,7 +62,7 @@ class KernelPlan:
     packed_bytes: int = 0  # oneDNN packed copies kept beside their weights (onednn_packs.py)
     prefill_choice: str = "torch"  # "torch" | "native"
     summary: str = ""
-    _table: dict[tuple, tuple[LinearFn, ...]] = field(default_factory=dict, repr=False)
+    _table: dict[tuple, tuple[LinearFn, ...]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for key, names in self.linear_choices.items():

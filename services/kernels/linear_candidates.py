@@ -31,21 +31,30 @@ def _torch_mv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return y if bias is None else y + bias
 
 
-def _float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # oneDNN's product on a plain weight (it blocks W inside the call; no copy is kept). torch's float32
+    # F.linear is MKL's GEMM, which on some CPUs runs far below oneDNN's: AMD EPYC Zen 2, 2 threads,
+    # 1,024 rows of a 16384 x 2048 weight, 61 against 89 GFLOP/s; 128 rows 38 against 80
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def _float32_linear(product: LinearFn = F.linear) -> LinearFn:
     # A 16-bit weight upcast into the reused buffer, then one float32 product, rounded once (as a 16-bit
     # product accumulates in float32 and rounds once): where the CPU has no 16-bit matrix instructions,
     # torch's bf16 product is a slow fallback (AMD EPYC Zen 3, AVX2, 2 threads: 21 GFLOP/s at 1,024 rows
     # against 142 for float32; the upcast of a 16384 x 2048 weight costs 5.5 ms of its 480)
-    y = F.linear(x.float(), DEQUANT_BUFFER.holding(weight, torch.float32), None if bias is None else bias.float())
-    return y.to(x.dtype)
+    def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = product(x.float(), DEQUANT_BUFFER.holding(weight, torch.float32), None if bias is None else bias.float())
+        return y.to(x.dtype)
+    return float32_linear
 
 
-def _int8_dequant_linear(compute: torch.dtype | None = None) -> LinearFn:
+def _int8_dequant_linear(compute: torch.dtype | None = None, product: LinearFn = F.linear) -> LinearFn:
     # int8 values are exact in bf16/fp16: one dense product in `compute` (None: x's dtype; float32 where
     # 16-bit products are slow, see _float32_linear), then each output column scaled
     def dequant_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = compute or x.dtype
-        y = F.linear(x.to(dtype), DEQUANT_BUFFER.holding(weight.qweight, dtype)).mul_(weight.scale.to(dtype))
+        y = product(x.to(dtype), DEQUANT_BUFFER.holding(weight.qweight, dtype), None).mul_(weight.scale.to(dtype))
         y = y if bias is None else y.add_(bias)
         return y.to(x.dtype)
     return dequant_linear
@@ -68,7 +77,8 @@ def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
-def _int4_dequant_linear(native: ModuleType | None, compute: torch.dtype | None = None) -> LinearFn:
+def _int4_dequant_linear(native: ModuleType | None, compute: torch.dtype | None = None,
+                         product: LinearFn = F.linear) -> LinearFn:
     # many rows (prefill): the product is compute-bound, so W is dequantized once and multiplied densely,
     # in `compute` (None: x's dtype; float32 where 16-bit products are slow, see _float32_linear)
     def dequant_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,7 +88,7 @@ def _int4_dequant_linear(native: ModuleType | None, compute: torch.dtype | None 
             dense = native.int4_dequantize(weight.packed, weight.scale, weight.low, out)
         else:
             dense = weight.dequantize(dtype)
-        return F.linear(x.to(dtype), dense, None if bias is None else bias.to(dtype)).to(x.dtype)
+        return product(x.to(dtype), dense, None if bias is None else bias.to(dtype)).to(x.dtype)
     return dequant_linear
 
 
@@ -140,10 +150,13 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     # many rows on a CPU: also the product in float32 (the 16-bit one is slow where the CPU lacks
     # 16-bit matrix instructions; elsewhere timing drops it)
     upcast = on_cpu and max_rows > 1
+    onednn = upcast and ONEDNN_PACKS.supported(torch.float32)  # the float32 products also through oneDNN
     if weight_format == "int4":
         found = {"dequant.linear": _int4_dequant_linear(native)}
         if upcast:
             found["dequant.float32"] = _int4_dequant_linear(native, torch.float32)
+        if onednn:
+            found["dequant.float32.onednn"] = _int4_dequant_linear(native, torch.float32, _onednn_linear)
         if on_cpu and in_features % 64 == 0 and max_rows <= 64:  # torch's wants whole groups, unpadded
             found["torch.int4pack"] = _int4_pack_mm
         if on_cpu and native is not None and max_rows <= 64:
@@ -163,6 +176,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear()}
         if upcast:
             found["dequant.float32"] = _int8_dequant_linear(torch.float32)
+        if onednn:
+            found["dequant.float32.onednn"] = _int8_dequant_linear(torch.float32, _onednn_linear)
         # torch's weight-only kernel is made for few rows; beyond 64 (prefill) the product is
         # compute-bound and one dequantized dense product wins. It crashes (SIGSEGV, torch 2.13) on
         # widths that are not a multiple of 16.
@@ -177,7 +192,11 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and max_rows == 1:
             found["torch.mv"] = _torch_mv
         if upcast and weight_format in ("bfloat16", "float16"):
-            found["float32.linear"] = _float32_linear
+            found["float32.linear"] = _float32_linear()
+            if onednn:
+                found["float32.onednn"] = _float32_linear(_onednn_linear)
+        elif onednn and weight_format == "float32":
+            found["onednn.linear"] = _onednn_linear
         if on_cpu and packed and ONEDNN_PACKS.supported(getattr(torch, weight_format)):
             found["onednn.packed"] = ONEDNN_PACKS.linear
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
