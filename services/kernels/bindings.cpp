@@ -16,7 +16,8 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
                                const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams);
 torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& bias, int64_t streams);
-torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
@@ -39,8 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each thread reads its W rows as `streams` parts in turn",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("streams") = 1);
   m.def("tiled_linear", &tiled_linear,
-        "y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float32 for many rows, W read once in 16-row panels (AVX2 CPUs)",
-        py::arg("x"), py::arg("w"), py::arg("bias"));
+        "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]) in float32 for batches, W read once in 16-row panels "
+        "(AVX2 CPUs)",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,

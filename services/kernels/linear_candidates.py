@@ -125,8 +125,10 @@ def _native(module: ModuleType, rows: int) -> LinearFn:
 
 
 def _native_tiled(kernel: Callable) -> LinearFn:
-    def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, weight, bias)
+    def tiled(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):
+            return kernel(x, weight.qweight, weight.scale, bias)
+        return kernel(x, weight, None, bias)
     return tiled
 
 
@@ -205,11 +207,11 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
             found["onednn.linear"] = _onednn_linear
         if on_cpu and packed and ONEDNN_PACKS.supported(getattr(torch, weight_format)):
             found["onednn.packed"] = ONEDNN_PACKS.linear
-        if on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "tiled_linear"):
-            # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode; for
-            # prefill's thousand rows x outgrows the caches and oneDNN's blocking wins: not offered there)
-            found["native.tiled"] = _native_tiled(native.tiled_linear)
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
         found["native"] = _native(native, 1)
         found["native.4rows"] = _native(native, 4)
+    if on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "tiled_linear"):
+        # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode; for a
+        # prefill's thousand rows x outgrows the caches and oneDNN's blocking wins: not offered there)
+        found["native.tiled"] = _native_tiled(native.tiled_linear)
     return found

@@ -4,7 +4,8 @@
 // Legend: M rows of x, K input features, N output features; NR = 16 W rows per panel, KC = 256 columns per
 // panel, MR = 6 rows of x per register tile.
 //   x:     [M, K]   float32 / bfloat16 / float16 (converted to float32 once)
-//   w:     [N, K]   float32 / bfloat16 / float16, contiguous
+//   w:     [N, K]   float32 / bfloat16 / float16, or int8 with scale [N] float32 (w_real[n, k] = w[n, k] * scale[n]);
+//                   contiguous
 //   bias:  [N]      optional
 //   y:     [M, N]   x's dtype, accumulated in float32 and rounded once
 //   panel: [K, NR]  float32, per thread: W[n0 .. n0 + NR, :] transposed (rows past N are 0), used KC rows at a time
@@ -112,7 +113,7 @@ void rows_tile(int64_t mr, const float* x, int64_t K, const float* panel, int64_
 }
 
 template <typename T>
-void product(const float* x, const T* w, int64_t M, int64_t N, int64_t K, float* y) {
+void product(const float* x, const T* w, const float* scale, int64_t M, int64_t N, int64_t K, float* y) {
   at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> panel(K * kNR), tile_c(M * kNR);
     for (int64_t p = p0; p < p1; ++p) {
@@ -124,25 +125,34 @@ void product(const float* x, const T* w, int64_t M, int64_t N, int64_t K, float*
           rows_tile(std::min(kMR, M - m), x + m * K + k0, K, panel.data() + k0 * kNR, kc, tile_c.data() + m * kNR,
                     k0 > 0);
       }
-      for (int64_t m = 0; m < M; ++m) std::copy_n(tile_c.data() + m * kNR, rows, y + m * N + n0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) y[m * N + n0 + r] = tile_c[m * kNR + r] * (scale ? scale[n0 + r] : 1.f);
     }
   });
 }
 
 }  // namespace
 
-torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+                           const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(), "CPU tensors and a contiguous w expected");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  TORCH_CHECK(scale.has_value() == (w.scalar_type() == at::kChar), "a scale goes with int8 weights, and only with them");
+  const torch::Tensor scale32 = scale.has_value() ? scale->to(at::kFloat).contiguous() : torch::Tensor();
+  TORCH_CHECK(!scale.has_value() || scale32.numel() == N, "scale must have one entry per output row");
+  const float* sv = scale.has_value() ? scale32.data_ptr<float>() : nullptr;
   const torch::Tensor x32 = x.to(at::kFloat).contiguous();
   torch::Tensor y = torch::zeros({M, N}, x32.options());  // K = 0: all zeros
+  const float* xv = x32.data_ptr<float>();
+  float* yv = y.data_ptr<float>();
   if (K > 0) {
     switch (w.scalar_type()) {
-      case at::kFloat: product(x32.data_ptr<float>(), w.data_ptr<float>(), M, N, K, y.data_ptr<float>()); break;
-      case at::kBFloat16: product(x32.data_ptr<float>(), w.data_ptr<at::BFloat16>(), M, N, K, y.data_ptr<float>()); break;
-      case at::kHalf: product(x32.data_ptr<float>(), w.data_ptr<at::Half>(), M, N, K, y.data_ptr<float>()); break;
-      default: TORCH_CHECK(false, "w must be float32, bfloat16 or float16, not ", w.scalar_type());
+      case at::kFloat: product(xv, w.data_ptr<float>(), sv, M, N, K, yv); break;
+      case at::kBFloat16: product(xv, w.data_ptr<at::BFloat16>(), sv, M, N, K, yv); break;
+      case at::kHalf: product(xv, w.data_ptr<at::Half>(), sv, M, N, K, yv); break;
+      case at::kChar: product(xv, w.data_ptr<int8_t>(), sv, M, N, K, yv); break;
+      default: TORCH_CHECK(false, "w must be float32, bfloat16, float16 or int8, not ", w.scalar_type());
     }
   }
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
