@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.report import environment, format_table, write_results
+from services.hardware_peaks import fastest_float32_product
 
 
 def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1, device: str = "cpu") -> float:
@@ -88,7 +89,9 @@ class ReadProbe:
 
 class MatmulProbe:
     """Two [size, size] matrices of `dtype`; `probe(repeats)` is the FLOP/s of F.linear on them, best
-    of `repeats` (bfloat16 needs ~10 back-to-back calls to reach full speed on this CPU)."""
+    of `repeats` (bfloat16 needs ~10 back-to-back calls to reach full speed on this CPU). On a CPU, where
+    faster, the float32 product of the same matrices by MKL or oneDNN instead: the kernel plan runs a
+    prefill that way where 16-bit products are slow or MKL's GEMM is (services/hardware_peaks.py)."""
 
     def __init__(self, dtype: torch.dtype, size: int = 4096, device: str = "cpu") -> None:
         gen = torch.Generator().manual_seed(0)
@@ -96,10 +99,15 @@ class MatmulProbe:
         self.a = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
         self.b = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
         self.flops = 2 * size**3
+        self.a32, self.b32 = (self.a.float(), self.b.float()) if device == "cpu" else (None, None)
 
     def __call__(self, repeats: int = 3) -> float:
         with torch.inference_mode():
-            return self.flops / best_time(lambda: F.linear(self.a, self.b), repeats, warmup=0, device=self.device)
+            seconds = best_time(lambda: F.linear(self.a, self.b), repeats, warmup=0, device=self.device)
+            if self.a32 is not None:
+                seconds = min(seconds, best_time(partial(fastest_float32_product, self.a32, self.b32), repeats,
+                                                 device=self.device))
+            return self.flops / seconds
 
 
 def memory_bandwidth(num_bytes: int = 2 * 10**9, repeats: int = 5, device: str = "cpu") -> dict[str, float]:

@@ -26,3 +26,18 @@ def test_the_matmul_peak_is_the_faster_of_the_dtype_and_float32(monkeypatch):
     # a float32 model measures float32 alone
     assert HardwarePeaks.measure(torch.float32, torch.device("cpu"), matmul_size=size,
                                  read_bytes=4 * 4096 * 8).flops == 2 * size**3 / 4.0
+
+
+def test_the_float32_product_is_the_faster_of_mkls_and_onednns(monkeypatch):
+    from services.kernels.linear_candidates import onednn_linear
+    from services.kernels.onednn_packs import ONEDNN_PACKS
+
+    for onednn_seconds, want in ((0.5, onednn_linear), (2.0, torch.nn.functional.linear)):
+        monkeypatch.setattr(hardware_peaks, "_FLOAT32_PRODUCTS", {})
+        monkeypatch.setattr(hardware_peaks, "best_seconds",
+                            lambda fn, device, repeats, s=onednn_seconds: s if fn.func is onednn_linear else 1.0)
+        a, b = torch.randn(3, 5), torch.randn(4, 5)
+        torch.testing.assert_close(hardware_peaks.fastest_float32_product(a, b), a @ b.T)
+        kept = hardware_peaks._FLOAT32_PRODUCTS[((3, 5), (4, 5))]
+        assert (kept.func if hasattr(kept, "func") else kept) is (want if ONEDNN_PACKS.supported(torch.float32)
+                                                                   else torch.nn.functional.linear)

@@ -83,9 +83,9 @@ def test_modes_and_the_cache(cache_dir, monkeypatch):
     assert torch_only.native is None and torch_only.attention_choice == "torch" == torch_only.prefill_choice
     assert torch_only.prefill_attention is None  # paged_attention's SDPA path
     assert set(torch_only.linear_choices) == {(32, 16, "float32"), (16, 32, "float32")}  # distinct shapes once
-    for names in torch_only.linear_choices.values():  # oneDNN's packed copy is torch's own path too
+    for names in torch_only.linear_choices.values():  # oneDNN's products (packed copy, plain) are torch's own too
         assert names[0] in ("torch.linear", "torch.mv", "onednn.packed")
-        assert all(n in ("torch.linear", "onednn.packed") for n in names[1:])
+        assert all(n in ("torch.linear", "onednn.packed", "onednn.linear") for n in names[1:])
     if load() is None:
         pytest.skip("no native kernels on this host")
     forced = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "native")
@@ -127,7 +127,8 @@ def test_a_stale_cached_name_is_measured_again(cache_dir, monkeypatch):
     path.write_text(json.dumps(saved))
     plan = KernelPlan.choose(weights(), (4, 2, 8), torch.float32, torch.device("cpu"), "torch")
     assert "measured" in plan.summary
-    assert all(n in ("torch.linear", "torch.mv", "onednn.packed") for names in plan.linear_choices.values() for n in names)
+    assert all(n in ("torch.linear", "torch.mv", "onednn.packed", "onednn.linear")
+               for names in plan.linear_choices.values() for n in names)
 
 
 def test_unknown_mode_is_refused():

@@ -31,10 +31,11 @@ def _torch_mv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return y if bias is None else y + bias
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # oneDNN's product on a plain weight (it blocks W inside the call; no copy is kept). torch's float32
-    # F.linear is MKL's GEMM, which on some CPUs runs far below oneDNN's: AMD EPYC Zen 2, 2 threads,
-    # 1,024 rows of a 16384 x 2048 weight, 61 against 89 GFLOP/s; 128 rows 38 against 80
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product on a plain weight (it blocks W inside the call; no copy is kept); the matmul ceilings
+    time it too (services/hardware_peaks.py, benchmarks/ceilings.py)."""
+    # torch's float32 F.linear is MKL's GEMM, which on some CPUs runs far below oneDNN's: AMD EPYC Zen 2,
+    # 2 threads, 1,024 rows of a 16384 x 2048 weight, 61 against 89 GFLOP/s; 128 rows 38 against 80
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
@@ -164,7 +165,7 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if upcast:
             found["dequant.float32"] = _int4_dequant_linear(native, torch.float32)
         if onednn:
-            found["dequant.float32.onednn"] = _int4_dequant_linear(native, torch.float32, _onednn_linear)
+            found["dequant.float32.onednn"] = _int4_dequant_linear(native, torch.float32, onednn_linear)
         if on_cpu and in_features % 64 == 0 and max_rows <= 64:  # torch's wants whole groups, unpadded
             found["torch.int4pack"] = _int4_pack_mm
         if on_cpu and native is not None and max_rows <= 64:
@@ -185,7 +186,7 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if upcast:
             found["dequant.float32"] = _int8_dequant_linear(torch.float32)
         if onednn:
-            found["dequant.float32.onednn"] = _int8_dequant_linear(torch.float32, _onednn_linear)
+            found["dequant.float32.onednn"] = _int8_dequant_linear(torch.float32, onednn_linear)
         # torch's weight-only kernel is made for few rows; beyond 64 (prefill) the product is
         # compute-bound and one dequantized dense product wins. It crashes (SIGSEGV, torch 2.13) on
         # widths that are not a multiple of 16.
@@ -202,9 +203,9 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if upcast and weight_format in ("bfloat16", "float16"):
             found["float32.linear"] = _float32_linear()
             if onednn:
-                found["float32.onednn"] = _float32_linear(_onednn_linear)
+                found["float32.onednn"] = _float32_linear(onednn_linear)
         elif onednn and weight_format == "float32":
-            found["onednn.linear"] = _onednn_linear
+            found["onednn.linear"] = onednn_linear
         if on_cpu and packed and ONEDNN_PACKS.supported(getattr(torch, weight_format)):
             found["onednn.packed"] = ONEDNN_PACKS.linear
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
