@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	# The native CPU kernels, compiled for this host once (~1 min); without a compiler, torch's are used.
+	# The native CPU kernels, compiled for this host once (1-5 min on 2 cores); without a compiler, torch's are used.
 	$(PY) -m services.kernels.native
 	touch $(STAMP)
 
