@@ -39,9 +39,7 @@ def build():
 def prefill_macs(preset: str, tokens: int) -> int:
     """Multiply-accumulates of one `tokens`-long prefill of `preset` (its first token sampled)."""
     c = PRESETS[preset].model_config()
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = 2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
-    cost = ModelCost(layer_matmul_params=c.num_layers * per_layer, lm_head_params=c.vocab_size * c.hidden_size,
+    cost = ModelCost(layer_matmul_params=c.num_layers * c.layer_matmul_params, lm_head_params=c.vocab_size * c.hidden_size,
                      weight_bytes=0, attention_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim,
                      kv_bytes_per_token=0)
     return cost.prefill_flops([tokens], [tokens], 1) // 2

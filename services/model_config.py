@@ -49,15 +49,20 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @property
-    def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matrix products: q, k, v, o and the gated MLP's three."""
         d, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
-        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * d * self.intermediate_size
-        norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0)
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + norms) + embed + d
+        return d * q + 2 * d * kv + q * d + 3 * d * self.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        kv, q = self.num_kv_heads * self.head_dim, self.num_heads * self.head_dim
+        biases = q + 2 * kv if self.attention_bias else 0
+        norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (self.layer_matmul_params + biases + norms) + embed + self.hidden_size
 
     @classmethod
     def from_hf_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:

@@ -52,26 +52,26 @@ inline void transpose8(const __m256 rows[8], __m256 out[8]) {
   }
 }
 
-// panel [kc, NR] = W rows n0 .. n0 + rows (the rest 0), columns k0 .. k0 + kc, as float32
+// panel [K, NR] = the `rows` W rows from w on (the rest 0), as float32
 template <typename T>
-void pack(const T* w, int64_t K, int64_t rows, int64_t k0, int64_t kc, float* panel) {
+void pack(const T* w, int64_t K, int64_t rows, float* panel) {
   int64_t k = 0;
   if (rows == kNR) {
-    for (; k + 8 <= kc; k += 8) {
+    for (; k + 8 <= K; k += 8) {
       // W is read as 16 streams, a row each: each row's reads run kPrefetch bytes behind its prefetches
       if ((k * sizeof(T)) % 64 == 0)
         for (int r = 0; r < kNR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k0 + k) + kPrefetch, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetch, _MM_HINT_T0);
       for (int half = 0; half < 2; ++half) {
         __m256 in[8], out[8];
-        for (int r = 0; r < 8; ++r) in[r] = load8(w + (8 * half + r) * K + k0 + k);
+        for (int r = 0; r < 8; ++r) in[r] = load8(w + (8 * half + r) * K + k);
         transpose8(in, out);
         for (int j = 0; j < 8; ++j) _mm256_storeu_ps(panel + (k + j) * kNR + 8 * half, out[j]);
       }
     }
   }
-  for (; k < kc; ++k)
-    for (int64_t r = 0; r < kNR; ++r) panel[k * kNR + r] = r < rows ? scalar_to_float(w[r * K + k0 + k]) : 0.f;
+  for (; k < K; ++k)
+    for (int64_t r = 0; r < kNR; ++r) panel[k * kNR + r] = r < rows ? scalar_to_float(w[r * K + k]) : 0.f;
 }
 
 // c [MR, NR] (+)= x [MR, kc] (row stride K) . panel [kc, NR]. The loops over i are unrolled by pragma so that
@@ -118,7 +118,7 @@ void product(const float* x, const T* w, const float* scale, int64_t M, int64_t 
     std::vector<float> panel(K * kNR), tile_c(M * kNR);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNR, rows = std::min(kNR, N - n0);
-      pack(w + n0 * K, K, rows, 0, K, panel.data());  // the 16 rows are adjacent: one sequential read of W
+      pack(w + n0 * K, K, rows, panel.data());  // the 16 rows are adjacent: one sequential read of W
       for (int64_t k0 = 0; k0 < K; k0 += kKC) {  // a KC slice of the panel stays in L1 for all tiles of x
         const int64_t kc = std::min(kKC, K - k0);
         for (int64_t m = 0; m < M; m += kMR)
@@ -143,7 +143,8 @@ torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const
   TORCH_CHECK(!scale.has_value() || scale32.numel() == N, "scale must have one entry per output row");
   const float* sv = scale.has_value() ? scale32.data_ptr<float>() : nullptr;
   const torch::Tensor x32 = x.to(at::kFloat).contiguous();
-  torch::Tensor y = torch::zeros({M, N}, x32.options());  // K = 0: all zeros
+  // every element is written below, except when K = 0: then the product is all zeros
+  torch::Tensor y = K > 0 ? torch::empty({M, N}, x32.options()) : torch::zeros({M, N}, x32.options());
   const float* xv = x32.data_ptr<float>();
   float* yv = y.data_ptr<float>();
   if (K > 0) {
