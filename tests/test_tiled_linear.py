@@ -13,8 +13,9 @@ native = load()
 pytestmark = pytest.mark.skipif(not hasattr(native, "tiled_linear"), reason="built only on CPUs with AVX2, FMA, F16C")
 
 # rows: 1, a whole 6-row tile, tiles and a rest; out features: under, at and past a 16-row panel; in
-# features: under 8, past a 256-column slice, not a multiple of 8
-SHAPES = [(1, 1, 1), (6, 16, 8), (5, 17, 9), (7, 40, 300), (70, 33, 513), (13, 48, 256), (64, 31, 1031)]
+# features: under 8, past a 256-column slice, not a multiple of 8, one whole 1,024-column chunk, chunks and a rest
+SHAPES = [(1, 1, 1), (6, 16, 8), (5, 17, 9), (7, 40, 300), (70, 33, 513), (13, 48, 256), (64, 31, 1031),
+          (200, 16, 1024), (131, 35, 2309)]
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", SHAPES)
@@ -56,6 +57,8 @@ def test_int8_weights_are_their_values_times_the_row_scale(rows, out_features, i
 def test_bad_shapes_and_dtypes_are_refused():
     with pytest.raises(RuntimeError, match=r"x \[M, K\] and w \[N, K\] expected"):
         native.tiled_linear(torch.ones(2, 3), torch.ones(4, 5), None, None)
+    with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16"):
+        native.tiled_linear(torch.ones(2, 3, dtype=torch.float64), torch.ones(4, 3), None, None)
     with pytest.raises(RuntimeError, match="w must be float32, bfloat16, float16 or int8"):
         native.tiled_linear(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.float64), None, None)
     with pytest.raises(RuntimeError, match="a scale goes with int8 weights, and only with them"):

@@ -211,8 +211,7 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
         found["native"] = _native(native, 1)
         found["native.4rows"] = _native(native, 4)
-    if on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "tiled_linear"):
-        # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode; for a
-        # prefill's thousand rows x outgrows the caches and oneDNN's blocking wins: not offered there)
+    if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
+        # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode and prefill)
         found["native.tiled"] = _native_tiled(native.tiled_linear)
     return found
