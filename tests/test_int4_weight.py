@@ -155,6 +155,7 @@ def test_every_int4_candidate_computes_the_same_product(rows, in_features):
     assert ("torch.int4pack" in found) == (in_features == 64 and rows <= 64)  # whole groups, few rows
     assert ("native" in found) == (load() is not None and rows <= 64) and "dequant.linear" in found
     assert ("native.tiled" in found) == (load() is not None and 1 < rows <= 64)
+    assert ("dequant.tiled" in found) == (rows > 1 and hasattr(load(), "tiled_linear"))
     assert ("native.x16" in found) == (hasattr(load(), "int4_x16_linear") and rows <= 64)
     assert ("dequant.float32.onednn" in found) == (rows > 1 and ONEDNN_PACKS.supported(torch.float32))
     want = F.linear(x.float(), weight.dequantize(torch.float32), bias.float())

@@ -175,6 +175,9 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
                 found[f"native.x16.{X16_STREAMS}streams"] = _native_int4(native.int4_x16_linear, X16_STREAMS)
             if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
                 found["native.tiled"] = _native_int4(native.int4_tiled_linear)
+        if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
+            # W dequantized whole (to x's dtype), then the float32 register tiles below (AVX2 hosts)
+            found["dequant.tiled"] = _int4_dequant_linear(native, None, _native_tiled(native.tiled_linear))
         return found
     if weight_format == "w8a8" and on_cpu:
         # every product rounds its activations, whatever its row count: a request's answer must not depend on
