@@ -13,9 +13,10 @@ native = load()
 pytestmark = pytest.mark.skipif(not hasattr(native, "tiled_linear"), reason="built only on CPUs with AVX2, FMA, F16C")
 
 # rows: 1, a whole 6-row tile, tiles and a rest; out features: under, at and past a 16-row panel; in
-# features: under 8, past a 256-column slice, not a multiple of 8, one whole 1,024-column chunk, chunks and a rest
+# features: under 8, past a 256-column slice, not a multiple of 8, one whole 1,024-column chunk, chunks and a rest;
+# the last: y of 8.7 MB, written past the caches (kStreamBytes)
 SHAPES = [(1, 1, 1), (6, 16, 8), (5, 17, 9), (7, 40, 300), (70, 33, 513), (13, 48, 256), (64, 31, 1031),
-          (200, 16, 1024), (131, 35, 2309)]
+          (200, 16, 1024), (131, 35, 2309), (133, 16384, 1100)]
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", SHAPES)

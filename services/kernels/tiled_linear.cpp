@@ -36,6 +36,7 @@
 namespace {
 
 constexpr int64_t kNR = 16, kKC = 256, kMR = 6, kPrefetch = 256, kKB = 1024;
+constexpr int64_t kStreamBytes = 8 << 20;  // y from this size on is written past the caches
 
 // rows [8] of 8 floats each -> out [8]: out[j] = (rows[0][j], ..., rows[7][j])
 inline void transpose8(const __m256 rows[8], __m256 out[8]) {
@@ -135,6 +136,7 @@ void pack_x(const T* x, int64_t M, int64_t K, float* xp) {
 
 template <typename T>
 void product(const float* xp, const T* w, const float* scale, int64_t M, int64_t N, int64_t K, float* y) {
+  const bool stream = M * N * 4 >= kStreamBytes && N % kNR == 0 && (reinterpret_cast<uintptr_t>(y) & 63) == 0;
   for (int64_t c0 = 0; c0 < K; c0 += kKB) {
     const int64_t kb = std::min(kKB, K - c0);
     const float* xc = xp + c0 * M;
@@ -153,12 +155,31 @@ void product(const float* xp, const T* w, const float* scale, int64_t M, int64_t
           }
         }
         const bool last = c0 + kb == K;  // y holds the earlier chunks' sums
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t r = 0; r < rows; ++r) {
-            const float v = tile_c[m * kNR + r] + (c0 > 0 ? y[m * N + n0 + r] : 0.f);
-            y[m * N + n0 + r] = last && scale ? v * scale[n0 + r] : v;
+        if (stream && rows == kNR) {
+          // a prefill's y, in whole cache lines, stored past the caches: its rows are N floats apart, often a
+          // multiple of 4 KB, so the 64 bytes each row gets from a panel would all land in one cache set,
+          // evicting x and the panel (Zen 2, 1,024 rows: +3-10% on the 1b preset's four shapes)
+          const __m256 s0 = last && scale ? _mm256_loadu_ps(scale + n0) : _mm256_set1_ps(1.f);
+          const __m256 s1 = last && scale ? _mm256_loadu_ps(scale + n0 + 8) : _mm256_set1_ps(1.f);
+          for (int64_t m = 0; m < M; ++m) {
+            float* out = y + m * N + n0;
+            __m256 v0 = _mm256_loadu_ps(tile_c.data() + m * kNR), v1 = _mm256_loadu_ps(tile_c.data() + m * kNR + 8);
+            if (c0 > 0) {
+              v0 = _mm256_add_ps(v0, _mm256_load_ps(out));
+              v1 = _mm256_add_ps(v1, _mm256_load_ps(out + 8));
+            }
+            _mm256_stream_ps(out, _mm256_mul_ps(v0, s0));
+            _mm256_stream_ps(out + 8, _mm256_mul_ps(v1, s1));
           }
+        } else {
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t r = 0; r < rows; ++r) {
+              const float v = tile_c[m * kNR + r] + (c0 > 0 ? y[m * N + n0 + r] : 0.f);
+              y[m * N + n0 + r] = last && scale ? v * scale[n0 + r] : v;
+            }
+        }
       }
+      if (stream) _mm_sfence();  // the streamed stores reach memory before any thread reads y
     });
   }
 }
