@@ -122,6 +122,7 @@ def prefill_reference(q, cache, table, context_len, block_size, scale):
     (5, 77, 4, 4, 16),  # a short chunk far into its context
     (150, 150, 8, 2, 64),  # several key blocks, the diagonal inside them
     (96, 300, 4, 1, 32),  # ratio 4 after a prefix, the chunk starting mid-block
+    (9, 9, 2, 1, 20),  # a head dim past whole vectors (16 + 4 with AVX-512, 16 + 4 with AVX2: scalar columns)
 ])
 def test_prefill_attention_matches_the_gather_and_sdpa_reference(native, dtype, new_tokens, context_len, heads,
                                                                  kv_heads, head_dim):

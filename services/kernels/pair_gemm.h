@@ -1,6 +1,6 @@
 // Small register-tiled products for the attention kernels: c [rows, cols] (+)= a . b with float32
 // accumulators, b pre-packed so that each 32-bit lane holds Pr elements of one column: bf16 pairs
-// multiplied by vdpbf16ps (Pr = 2), or float32 by FMAs (Pr = 1).
+// multiplied by vdpbf16ps (Pr = 2), or float32 by FMAs (Pr = 1); 16 lanes with AVX-512, 8 with AVX2.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -23,40 +23,68 @@ inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
 #if defined(__AVX512F__)
 // 16 lanes of Pr elements each, and one lane's Pr elements broadcast to all 16.
-inline __m512 lanes(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 broadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline __m512 lanes(const at::BFloat16* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
-inline __m512 broadcast(const at::BFloat16* p) {
+using Vec = __m512;
+constexpr int64_t kLanes = 16, kMaxVT = 4;  // 32 registers: up to 4 x 4 tiles (16 accumulators)
+inline Vec lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec lanes(const at::BFloat16* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+inline Vec broadcast(const at::BFloat16* p) {
   int32_t pair;
   std::memcpy(&pair, p, 4);
   return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
 }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // acc + the lane-wise products of a and b, each lane's Pr products summed
-template <typename E> inline __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+template <typename E> inline Vec madd(Vec acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
 #if defined(__AVX512BF16__)
-template <> inline __m512 madd<at::BFloat16>(__m512 acc, __m512 a, __m512 b) {
+template <> inline Vec madd<at::BFloat16>(Vec acc, Vec a, Vec b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 #endif
+template <int VT> inline constexpr int kRows = VT >= 4 ? 4 : 8;  // rows per tile: ~16 accumulators
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 float32 lanes (no 16-bit products here: the kernels pack float32, Pr = 1)
+using Vec = __m256;
+constexpr int64_t kLanes = 8, kMaxVT = 2;  // 16 registers: 6 x 2 tiles (12 accumulators, 2 of b, 1 of a)
+inline Vec lanes(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+template <typename E> inline Vec madd(Vec acc, Vec a, Vec b) { return _mm256_fmadd_ps(a, b, acc); }
+template <int VT> inline constexpr int kRows = VT >= 2 ? 6 : 8;
+#endif
 
-// c [RT, 16 VT] (+)= a [RT, steps * Pr] . b [steps, 16 VT * Pr] (float32 accumulators in registers;
-// each step loads VT vectors of b once for the RT rows).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PAIR_GEMM_VECTORS 1
+// c [RT, kLanes VT] (+)= a [RT, steps * Pr] . b [steps, kLanes VT * Pr] (float32 accumulators in registers;
+// each step loads VT vectors of b once for the RT rows). The loops are unrolled by pragma so that GCC keeps
+// the accumulators in registers.
 template <typename E, int RT, int VT>
 inline void tile(const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c, int64_t ldc, bool add) {
   constexpr int64_t Pr = kPair<E>;
-  __m512 acc[RT][VT];
+  Vec acc[RT][VT];
+#pragma GCC unroll 8
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) acc[r][v] = add ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int v = 0; v < VT; ++v) acc[r][v] = add ? load(c + r * ldc + kLanes * v) : zero();
   for (int64_t s = 0; s < steps; ++s) {
-    __m512 bv[VT];
-    for (int v = 0; v < VT; ++v) bv[v] = lanes(b + s * ldb + 16 * Pr * v);
+    Vec bv[VT];
+#pragma GCC unroll 4
+    for (int v = 0; v < VT; ++v) bv[v] = lanes(b + s * ldb + kLanes * Pr * v);
+#pragma GCC unroll 8
     for (int r = 0; r < RT; ++r) {
-      const __m512 x = broadcast(a + r * lda + s * Pr);
+      const Vec x = broadcast(a + r * lda + s * Pr);
+#pragma GCC unroll 4
       for (int v = 0; v < VT; ++v) acc[r][v] = madd<E>(acc[r][v], bv[v], x);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+#pragma GCC unroll 4
+    for (int v = 0; v < VT; ++v) store(c + r * ldc + kLanes * v, acc[r][v]);
 }
 
 template <typename E, int RT, int VT>  // the last rows < RT of a column strip
@@ -68,10 +96,10 @@ inline void tail_rows(int64_t rows, const E* a, int64_t lda, const E* b, int64_t
   }
 }
 
-template <typename E, int VT>  // one strip of 16 VT columns, all rows; 16-ish accumulators per tile
+template <typename E, int VT>  // one strip of kLanes VT columns, all rows
 inline void strip(int64_t rows, const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c,
                   int64_t ldc, bool add) {
-  constexpr int RT = VT >= 4 ? 4 : 8;
+  constexpr int RT = kRows<VT>;
   int64_t r = 0;
   for (; r + RT <= rows; r += RT) tile<E, RT, VT>(a + r * lda, lda, b, ldb, steps, c + r * ldc, ldc, add);
   tail_rows<E, RT - 1, VT>(rows - r, a + r * lda, lda, b, ldb, steps, c + r * ldc, ldc, add);
@@ -85,10 +113,12 @@ void gemm(const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float
           int64_t cols, bool add) {
   constexpr int64_t Pr = kPair<E>;
   int64_t col = 0;
-#if defined(__AVX512F__)
-  for (; col + 64 <= cols; col += 64) strip<E, 4>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
-  for (; col + 32 <= cols; col += 32) strip<E, 2>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
-  for (; col + 16 <= cols; col += 16) strip<E, 1>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
+#if defined(PAIR_GEMM_VECTORS)
+  if constexpr (kMaxVT >= 4)
+    for (; col + 4 * kLanes <= cols; col += 4 * kLanes)
+      strip<E, 4>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
+  for (; col + 2 * kLanes <= cols; col += 2 * kLanes) strip<E, 2>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
+  for (; col + kLanes <= cols; col += kLanes) strip<E, 1>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
 #endif
   for (int64_t r = 0; r < rows && col < cols; ++r) {  // the columns left over (Dh not a multiple of 16)
     if (!add) std::fill(c + r * ldc + col, c + r * ldc + cols, 0.f);

@@ -18,8 +18,8 @@
 // The keys and values are first packed once per call, block by block, into the order the products
 // read: with AVX-512 BF16, vdpbf16ps multiplies a broadcast pair of query (or probability) elements
 // by 16 key columns' pairs at once, accumulating 16 float32 scores (or output elements); elsewhere
-// the same loops run on float32 with FMAs (or scalar code, which the compiler vectorizes). The
-// products are pair_gemm.h's.
+// the same loops run on float32 with FMAs (AVX-512 or AVX2; elsewhere scalar code, which the compiler
+// vectorizes). The products are pair_gemm.h's.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -143,6 +143,34 @@ void softmax_step(const float* s, int64_t visible, float scale, float& max, floa
 #endif
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // the same on 8 lanes, into sums' first 8 (probabilities in float32: there is no bf16 product here)
+  static_assert(std::is_same_v<E, float>, "AVX2 hosts pack float32");
+  constexpr int64_t V8 = kKeys / 8;
+  const float log2e_scale = 1.44269504f * scale;
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sv[V8], keep[V8];
+  __m256 vmax = neg_inf;
+  for (int64_t v = 0; v < V8; ++v) {
+    const int in = static_cast<int>(std::clamp<int64_t>(visible - 8 * v, 0, 8));
+    keep[v] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(in), iota));
+    sv[v] = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + 8 * v), keep[v]);  // -inf past `visible`
+    vmax = _mm256_max_ps(vmax, sv[v]);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  new_max = std::max(max, _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
+  if (new_max > max)  // 0 on the first block (max = -inf): 2^-126 times sums and o that are 0
+    alpha = _mm256_cvtss_f32(exp2_nonpositive(_mm256_set1_ps(std::max((max - new_max) * log2e_scale, -150.f))));
+  const __m256 c = _mm256_set1_ps(log2e_scale), shift = _mm256_set1_ps(-new_max * log2e_scale);
+  __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(sums), _mm256_set1_ps(alpha));
+  for (int64_t v = 0; v < V8; ++v) {
+    const __m256 e = _mm256_and_ps(keep[v], exp2_nonpositive(_mm256_fmadd_ps(sv[v], c, shift)));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(p + 8 * v, e);
+  }
+  _mm256_storeu_ps(sums, sum);
 #else
   for (int64_t n = 0; n < visible; ++n) new_max = std::max(new_max, s[n]);
   alpha = std::exp(scale * (max - new_max));  // 0 on the first block (max = -inf)

@@ -29,15 +29,21 @@ inline __m512 exp_nonpositive(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// e^x for x <= 0 on 8 lanes, as above; 2^n is written into the exponent bits, which stop at 2^-126,
-// so x is clamped at -87 (e^-87 ~ 1.6e-38: nothing next to the maximum's e^0).
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504f));
+// 2^t for t <= 0 on 8 lanes, as above, 2^n written into the exponent bits, which stop at 2^-126: t is clamped
+// there (the smallest result, ~1e-38, is nothing next to the maximum's 2^0).
+template <int Degree = 6>
+inline __m256 exp2_nonpositive(__m256 t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-126.f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147181f));  // f ln 2
-  __m256 p = _mm256_set1_ps(kTaylor[6]);
-  for (int i = 5; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kTaylor[i]));
+  __m256 p = _mm256_set1_ps(kTaylor[Degree]);
+  for (int i = Degree - 1; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kTaylor[i]));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// e^x for x <= 0, clamped at -87 (e^-87 ~ 1.6e-38).
+inline __m256 exp_nonpositive(__m256 x) {
+  return exp2_nonpositive(_mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504f)));
 }
 #endif
