@@ -2,7 +2,7 @@
 // Intel client cores): y = x @ W^T (+ bias), every product in float32, each W element read from memory once.
 //
 // Legend: M rows of x, K input features, N output features; NR = 16 W rows per panel, KB = 1,024 columns per
-// chunk, KC = 256 columns per slice of a panel, MR = 6: rows of x per register tile, at most.
+// chunk, MR = 6: rows of x per register tile, at most.
 //   x:     [M, K]   float32 / bfloat16 / float16
 //   xp:    [K/KB chunks][ceil(M/MR) tiles][kb, mr]  float32: x packed once per call (kb, mr: the chunk's
 //                   columns, the tile's rows), so that a step of k broadcasts mr adjacent values and a chunk is
@@ -11,9 +11,9 @@
 //                   contiguous
 //   bias:  [N]      optional
 //   y:     [M, N]   x's dtype, accumulated in float32 and rounded once
-//   panel: [kb, NR] float32, per thread: one chunk of W[n0 .. n0 + NR, :] transposed (rows past N are 0), used KC
-//                   rows at a time (64-byte aligned: a panel row is one cache line)
-//   tile:  [M, NR]  float32, per thread: y's columns n0 .. n0 + NR while the slices of the chunk go by
+//   panel: [kb, NR] float32, per thread: one chunk of W[n0 .. n0 + NR, :] transposed (rows past N are 0; 64-byte
+//                   aligned: a panel row is one cache line)
+//   tile:  [M, NR]  float32, per thread: the chunk's sums for y's columns n0 .. n0 + NR
 //
 // Why: the streaming kernel (skinny_linear.cpp) reads W once per 4 rows of x, so 32 rows read it 8 times,
 // and torch's float32 GEMMs there reach half the FMA rate (AMD EPYC Zen 2, 2 threads: 152 GFLOP/s of FMAs,
@@ -21,7 +21,9 @@
 // step of k loads 2 vectors of the panel and broadcasts 6 values of x for 12 FMAs (BLIS's Haswell shape),
 // so the FMA units, not the loads, set the pace. Every panel reads all of x's current chunk: chunks of 1,024
 // columns keep that (4 MB at a prefill's 1,024 rows) in the L3, where x whole (32 MB at K = 8,192) would come
-// from memory once per panel (measured there: 85 GFLOP/s whole, 145 in chunks; oneDNN 142).
+// from memory once per panel (measured there: 85 GFLOP/s whole, 145 in chunks; oneDNN 142). Each tile runs over
+// the whole chunk, the panel's 64 KB read from L2: slices of 256 columns kept in L1 (BLIS's KC) were 5-13% slower
+// here (Zen 2, 1,024 rows), paying a round trip of the C tile and a short loop's start per slice.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -36,7 +38,7 @@
 
 namespace {
 
-constexpr int64_t kNR = 16, kKC = 256, kMR = 6, kPrefetch = 256, kKB = 1024;
+constexpr int64_t kNR = 16, kMR = 6, kPrefetch = 256, kKB = 1024;
 constexpr int64_t kStreamBytes = 8 << 20;  // y from this size on is written past the caches
 
 // rows [8] of 8 floats each -> out [8]: out[j] = (rows[0][j], ..., rows[7][j])
@@ -81,16 +83,16 @@ void pack(const T* w, int64_t stride, int64_t K, int64_t rows, float* panel) {
     for (int64_t r = 0; r < kNR; ++r) panel[k * kNR + r] = r < rows ? scalar_to_float(w[r * stride + k]) : 0.f;
 }
 
-// c [MR, NR] (+)= xt [kc, MR] . panel [kc, NR]: xt is one tile of x, packed. The loops over i are unrolled by
+// c [MR, NR] = xt [kc, MR] . panel [kc, NR]: xt is one tile of x, packed. The loops over i are unrolled by
 // pragma so that GCC keeps the 2 MR accumulators in registers (left to itself it stored them to the stack every
 // step, at half the FMA rate).
 template <int MR>
-void tile(const float* xt, const float* panel, int64_t kc, float* c, bool add) {
+void tile(const float* xt, const float* panel, int64_t kc, float* c) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
-    lo[i] = add ? _mm256_loadu_ps(c + i * kNR) : _mm256_setzero_ps();
-    hi[i] = add ? _mm256_loadu_ps(c + i * kNR + 8) : _mm256_setzero_ps();
+    lo[i] = _mm256_setzero_ps();
+    hi[i] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_loadu_ps(panel + k * kNR), b1 = _mm256_loadu_ps(panel + k * kNR + 8);
@@ -108,14 +110,14 @@ void tile(const float* xt, const float* panel, int64_t kc, float* c, bool add) {
   }
 }
 
-void rows_tile(int64_t mr, const float* xt, const float* panel, int64_t kc, float* c, bool add) {
+void rows_tile(int64_t mr, const float* xt, const float* panel, int64_t kc, float* c) {
   switch (mr) {
-    case 1: tile<1>(xt, panel, kc, c, add); break;
-    case 2: tile<2>(xt, panel, kc, c, add); break;
-    case 3: tile<3>(xt, panel, kc, c, add); break;
-    case 4: tile<4>(xt, panel, kc, c, add); break;
-    case 5: tile<5>(xt, panel, kc, c, add); break;
-    default: tile<6>(xt, panel, kc, c, add); break;
+    case 1: tile<1>(xt, panel, kc, c); break;
+    case 2: tile<2>(xt, panel, kc, c); break;
+    case 3: tile<3>(xt, panel, kc, c); break;
+    case 4: tile<4>(xt, panel, kc, c); break;
+    case 5: tile<5>(xt, panel, kc, c); break;
+    default: tile<6>(xt, panel, kc, c); break;
   }
 }
 
@@ -160,12 +162,9 @@ void product(const float* xp, const T* w, const float* scale, int64_t M, int64_t
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kNR, rows = std::min(kNR, N - n0);
         pack(w + n0 * K + c0, K, kb, rows, panel);
-        for (int64_t k0 = 0; k0 < kb; k0 += kKC) {  // a KC slice of the panel stays in L1 for all tiles of x
-          const int64_t kc = std::min(kKC, kb - k0);
-          for (int64_t t = 0; t < tiles.count; ++t) {
-            const int64_t m = tiles.start(t), mr = tiles.rows(t);
-            rows_tile(mr, xc + m * kb + k0 * mr, panel + k0 * kNR, kc, tile_c.data() + m * kNR, k0 > 0);
-          }
+        for (int64_t t = 0; t < tiles.count; ++t) {
+          const int64_t m = tiles.start(t);
+          rows_tile(tiles.rows(t), xc + m * kb, panel, kb, tile_c.data() + m * kNR);
         }
         const bool last = c0 + kb == K;  // y holds the earlier chunks' sums
         if (stream && rows == kNR) {
