@@ -116,20 +116,21 @@ def _int4_pack_mm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
+def _values_and_scale(weight: torch.Tensor | Int8Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The native kernels' (w, scale) arguments: int8 values and their row scales, or a dense weight and None."""
+    return (weight.qweight, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
+
+
 def _native(module: ModuleType, rows: int) -> LinearFn:
     # rows: W rows in flight per thread (1: one sequential stream; 4: four streams, prefetched)
     def skinny(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(weight, Int8Weight):
-            return module.skinny_linear(x, weight.qweight, weight.scale, bias, rows)
-        return module.skinny_linear(x, weight, None, bias, rows)
+        return module.skinny_linear(x, *_values_and_scale(weight), bias, rows)
     return skinny
 
 
 def _native_tiled(kernel: Callable) -> LinearFn:
     def tiled(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(weight, Int8Weight):
-            return kernel(x, weight.qweight, weight.scale, bias)
-        return kernel(x, weight, None, bias)
+        return kernel(x, *_values_and_scale(weight), bias)
     return tiled
 
 

@@ -117,8 +117,10 @@ void gemm(const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float
   if constexpr (kMaxVT >= 4)
     for (; col + 4 * kLanes <= cols; col += 4 * kLanes)
       strip<E, 4>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
-  for (; col + 2 * kLanes <= cols; col += 2 * kLanes) strip<E, 2>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
-  for (; col + kLanes <= cols; col += kLanes) strip<E, 1>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
+  for (; col + 2 * kLanes <= cols; col += 2 * kLanes)
+    strip<E, 2>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
+  for (; col + kLanes <= cols; col += kLanes)
+    strip<E, 1>(rows, a, lda, b + col * Pr, ldb, steps, c + col, ldc, add);
 #endif
   for (int64_t r = 0; r < rows && col < cols; ++r) {  // the columns left over (Dh not a multiple of 16)
     if (!add) std::fill(c + r * ldc + col, c + r * ldc + cols, 0.f);
