@@ -55,10 +55,10 @@ def test_skinny_linear_refuses_mismatched_shapes(native):
 def decode_case(dtype, num_seqs=3, heads=6, kv_heads=2, head_dim=24, block_size=4, context_lens=(1, 9, 17)):
     # A pool with more blocks than needed, each sequence's blocks scattered through it.
     g = torch.Generator().manual_seed(head_dim + len(context_lens))
-    num_blocks = 16
+    max_blocks = max(-(-n // block_size) for n in context_lens)
+    num_blocks = max(16, num_seqs * max_blocks + 4)
     cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
     order = torch.randperm(num_blocks, generator=g)
-    max_blocks = max(-(-n // block_size) for n in context_lens)
     tables = order[: num_seqs * max_blocks].view(num_seqs, max_blocks).contiguous()
     q = torch.randn(num_seqs, heads, head_dim, generator=g).to(dtype)
     return q, cache, AttentionMetadata.for_decode(list(context_lens), tables, block_size)
@@ -73,6 +73,18 @@ def test_paged_decode_attention_matches_the_gather_and_sdpa_reference(native, dt
     q, cache, meta = decode_case(dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     got = native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens_tensor, meta.block_size, 0.3)
     want = torch_decode_attention(q.float(), cache.float(), meta, 0.3)
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,scale", [(32, 0.3), (16, 0.3), (32, 8.0)])
+def test_paged_decode_attention_over_long_contexts(native, dtype, block_size, scale):
+    # Blocks longer than the AVX2 path's 16-token chunk, contexts of many chunks ending mid-chunk, and (scale 8)
+    # scores tens apart: a running maximum that rises from chunk to chunk, exponentials that underflow to zero.
+    q, cache, meta = decode_case(dtype, num_seqs=3, heads=8, kv_heads=2, head_dim=64, block_size=block_size,
+                                 context_lens=(1, 40, 17 * 16 + 3 if block_size == 16 else 250))
+    got = native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens_tensor, block_size, scale)
+    want = torch_decode_attention(q.float(), cache.float(), meta, scale)
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
 

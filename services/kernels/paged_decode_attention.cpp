@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "decode_blocks.h"
 #include "softmax_math.h"
 #include "vec_load.h"
 
@@ -141,20 +142,6 @@ inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, floa
     maxes[g] = std::max(maxes[g], out[g]);
   }
 }
-#elif defined(PDSERVE_FLOAT_VEC)
-// The same with 8-lane vectors (AVX2): the key row loaded once as float32, one sum per head.
-template <typename T>
-inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, float* out, float* maxes) {
-  constexpr int64_t L = FloatVec::kLanes;
-  typename FloatVec::V kv[256 / L];
-  for (int64_t d = 0; d < Dh / L; ++d) kv[d] = FloatVec::load(k + L * d);
-  for (int64_t g = 0; g < G; ++g) {
-    typename FloatVec::V v = FloatVec::zero();
-    for (int64_t d = 0; d < Dh / L; ++d) v = FloatVec::fma(FloatVec::load(qf + g * Dh + L * d), kv[d], v);
-    out[g] = FloatVec::sum(v);
-    maxes[g] = std::max(maxes[g], out[g]);
-  }
-}
 #endif
 
 // One task: a sequence's kv heads kh0 .. kh0 + nkh - 1 and their query heads (Q = nkh * G, in order).
@@ -165,11 +152,11 @@ void attend_task(const float* qf, const T* keys, const T* values, const int64_t*
                  int64_t kh0, int64_t nkh, int64_t G, int64_t Dh, int64_t block_size, float* scores, float* acc) {
   const int64_t Q = nkh * G;
   std::vector<float> maxes(Q, -std::numeric_limits<float>::infinity());
-  const bool vectorized = Dh % 16 == 0 && Dh <= 256;
+  [[maybe_unused]] const bool vectorized = Dh % 16 == 0 && Dh <= 256;  // (AVX-512; AVX2 takes decode_blocks.h)
   for_each_token(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nkh; ++j) {
       const T* k = row + j * Dh;
-#if defined(PDSERVE_FLOAT_VEC)
+#if defined(__AVX512F__)
       if (vectorized) {
         score_heads(qf + j * G * Dh, k, G, Dh, scores + t * Q + j * G, maxes.data() + j * G);
         continue;
@@ -189,7 +176,7 @@ void attend_task(const float* qf, const T* keys, const T* values, const int64_t*
   for_each_token(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nkh; ++j) {
       const T* v = row + j * Dh;
-#if defined(PDSERVE_FLOAT_VEC)
+#if defined(__AVX512F__)
       if (vectorized) {
         for (int64_t d = 0; d < Dh; d += FloatVec::kLanes) {
           const typename FloatVec::V vv = FloatVec::load(v + d);  // one load of the value row serves all G heads
@@ -211,6 +198,48 @@ void attend_task(const float* qf, const T* keys, const T* values, const int64_t*
     for (int64_t d = 0; d < Dh; ++d) acc[h * Dh + d] /= sums[h];
 }
 
+#if defined(PDSERVE_DECODE_BLOCKS)
+// attend_task's work on AVX2 CPUs (decode_blocks.h): the context a chunk of at most kChunk tokens at a time,
+// every kv head of the task within each chunk (so a task of whole token rows reads each block as one run).
+template <typename T>
+void attend_task_chunks(const float* qf, const T* keys, const T* values, const int64_t* table, int64_t T_len,
+                        int64_t K, int64_t kh0, int64_t nkh, int64_t G, int64_t Dh, int64_t block_size, float* acc) {
+  using decode_blocks::kChunk;
+  const int64_t Q = nkh * G;
+  std::vector<decode_blocks::HeadState> heads(Q);
+  for (int64_t h = 0; h < Q; ++h) heads[h].acc = acc + h * Dh;
+  std::fill(acc, acc + Q * Dh, 0.f);
+  alignas(32) float kf[kChunk * 256];
+  std::vector<float> p(G * kChunk);
+  // chunk i: block i / per_block, its tokens from (i % per_block) * kChunk on; its first row's offset (head kh0)
+  const int64_t per_block = (block_size + kChunk - 1) / kChunk, chunks = (T_len + block_size - 1) / block_size * per_block;
+  auto chunk_at = [&](int64_t i, int64_t* first) {  // -> its token count (0: past the context)
+    const int64_t b = i / per_block, c = i % per_block * kChunk, start = b * block_size + c;
+    if (i >= chunks || start >= T_len) return int64_t{0};
+    *first = ((table[b] * block_size + c) * K + kh0) * Dh;
+    return std::min({kChunk, block_size - c, T_len - start});
+  };
+  int64_t first = 0, next_first = 0, n = chunk_at(0, &first);
+  for (int64_t i = 0; n > 0; ++i, first = next_first) {
+    const int64_t next_n = chunk_at(i + 1, &next_first);
+    for (int64_t j = 0; j < nkh; ++j) {
+      // the next chunk's rows of this head, fetched while this one computes: its blocks are scattered through the
+      // pool, a new stream every kChunk rows that the hardware prefetchers would first have to miss on
+      for (int64_t t = 0; t < next_n; ++t)
+        for (int64_t at = 0; at < Dh * static_cast<int64_t>(sizeof(T)); at += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(keys + next_first + t * K * Dh + j * Dh) + at);
+          __builtin_prefetch(reinterpret_cast<const char*>(values + next_first + t * K * Dh + j * Dh) + at);
+        }
+      decode_blocks::chunk(qf + j * G * Dh, keys + first + j * Dh, values + first + j * Dh, K * Dh, n, G, Dh,
+                           heads.data() + j * G, kf, p.data());
+    }
+    n = next_n;
+  }
+  for (int64_t h = 0; h < Q; ++h)
+    for (int64_t d = 0; d < Dh; ++d) acc[h * Dh + d] /= heads[h].l;
+}
+#endif
+
 template <typename T>
 void attend(const T* q, const T* cache, const int64_t* block_tables, const int64_t* context_lens, T* out, int64_t B,
             int64_t H, int64_t K, int64_t Dh, int64_t S, int64_t max_blocks, int64_t block_size, float scale) {
@@ -230,9 +259,17 @@ void attend(const T* q, const T* cache, const int64_t* block_tables, const int64
       const int64_t h0 = kh0 * G, Q = nkh * G;  // query heads h0 .. h0 + Q - 1
       for (int64_t h = 0; h < Q; ++h)  // scaled once
         for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = scalar_to_float(q[(b * H + h0 + h) * Dh + d]) * scale;
-      scores.resize(Q * T_len);
-      attend_task(qf.data(), keys, values, block_tables + b * max_blocks, T_len, K, kh0, nkh, G, Dh, block_size,
-                  scores.data(), acc.data());
+#if defined(PDSERVE_DECODE_BLOCKS)
+      if (decode_blocks::supports(Dh)) {
+        attend_task_chunks(qf.data(), keys, values, block_tables + b * max_blocks, T_len, K, kh0, nkh, G, Dh,
+                           block_size, acc.data());
+      } else
+#endif
+      {
+        scores.resize(Q * T_len);
+        attend_task(qf.data(), keys, values, block_tables + b * max_blocks, T_len, K, kh0, nkh, G, Dh, block_size,
+                    scores.data(), acc.data());
+      }
       for (int64_t h = 0; h < Q; ++h)
         for (int64_t d = 0; d < Dh; ++d) out[(b * H + h0 + h) * Dh + d] = static_cast<T>(acc[h * Dh + d]);
     }
