@@ -69,8 +69,8 @@ class ReadProbe:
 
     def native_rate(self, repeats: int = 2) -> float:
         """The native skinny-matmul kernel over the same buffer (0 where it cannot be compiled), read as
-        float32 and as bf16, one and four rows in flight, the best of the four: on some CPUs it streams
-        faster than anything in torch, and then it is the ceiling."""
+        float32 and as bf16, one and four rows in flight (the four prefetched into the caches or past them),
+        the best of the six: on some CPUs it streams faster than anything in torch, and then it is the ceiling."""
         from services.kernels.native import load
 
         native = load() if self.device == "cpu" else None
@@ -79,9 +79,9 @@ class ReadProbe:
         as_bf16 = self.buffer.view(torch.bfloat16).view(-1, 8192)
         shapes = ((self._matrix, self._vector), (as_bf16, torch.ones(1, 8192, dtype=torch.bfloat16)))
         with torch.inference_mode():
-            return max(self.num_bytes / best_time(partial(native.skinny_linear, vector, matrix, None, None, rows),
+            return max(self.num_bytes / best_time(partial(native.skinny_linear, vector, matrix, None, None, rows, nt),
                                                   repeats, warmup=0, device=self.device)
-                       for matrix, vector in shapes for rows in (1, 4))
+                       for matrix, vector in shapes for rows, nt in ((1, False), (4, False), (4, True)))
 
     def __call__(self, repeats: int = 2) -> float:
         return max(self.sum_rate(repeats), self.gemv_rate(repeats), self.native_rate(repeats))

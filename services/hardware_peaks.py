@@ -45,9 +45,10 @@ class HardwarePeaks:
         read = best_seconds(lambda: F.linear(vector, matrix), device, repeats=3)
         native = load() if device.type == "cpu" else None
         if native is not None:  # where the native kernel streams faster, that is the ceiling
-            for rows in (1, 4):  # W rows in flight per thread: one stream, or four
-                read = min(read, best_seconds(partial(native.skinny_linear, vector, matrix, None, None, rows), device,
-                                              repeats=3))
+            # W rows in flight per thread: one stream, or four, prefetched into the caches or past them
+            for rows, non_temporal in ((1, False), (4, False), (4, True)):
+                read = min(read, best_seconds(partial(native.skinny_linear, vector, matrix, None, None, rows,
+                                                      non_temporal), device, repeats=3))
         return cls(2 * matmul_size**3 / matmul, matrix.numel() * 4 / read)
 
 

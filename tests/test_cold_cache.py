@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -44,3 +45,27 @@ def test_fastest_runs_the_eviction_before_every_timed_call():
     timed = calls[2:]  # after one untimed warm-up call each
     assert calls[:2] == ["a", "b"] and len(timed) > 0
     assert timed[0::2] == ["evict"] * (len(timed) // 2) and "evict" not in timed[1::2]
+
+
+def test_fastest_times_the_reread_with_each_call(monkeypatch):
+    # before (evict, untimed), the call, after (reread) — the clock read around the call and the reread only
+    calls: list[str] = []
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(time, "perf_counter", lambda: calls.append("clock") or next(ticks))
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    _fastest(fns, torch.device("cpu"), rows=1, before=lambda: calls.append("evict"), after=lambda: calls.append("reread"))
+    timed = calls[2:]
+    assert timed[:10] == ["evict", "clock", "a", "reread", "clock", "evict", "clock", "b", "reread", "clock"]
+    assert len(timed) == 10 * 7  # 7 rounds, two candidates, five entries each
+
+
+def test_the_hot_set_is_read_around_each_timed_call(monkeypatch):
+    monkeypatch.setattr(cold_cache, "last_level_cache_bytes", lambda: 1 << 20)
+    cold = ColdCache.for_weights(8 << 20, torch.device("cpu"))
+    assert cold.hot.numel() * 4 == cold_cache.HOT_BYTES
+    reads = []
+    monkeypatch.setattr(cold, "hot", type("Hot", (), {"sum": lambda self: reads.append("hot")})())
+    monkeypatch.setattr(cold, "buffer", type("Big", (), {"sum": lambda self: reads.append("big")})())
+    cold.evict()
+    cold.reread()
+    assert reads == ["big", "hot", "hot"]

@@ -39,7 +39,8 @@ def test_every_candidate_computes_the_same_product(quantized, rows):
     bias = torch.randn(24, generator=g).bfloat16()
     found = candidates("int8" if quantized else "bfloat16", True, 40, {1: 1, 5: 8, 40: 64, 70: 1 << 62}[rows], load(),
                        packed=True)
-    assert ("native" in found) == ("native.4rows" in found) == (load() is not None and rows <= 64)
+    assert (("native" in found) == ("native.4rows" in found) == ("native.4rows.nt" in found)
+            == (load() is not None and rows <= 64))
     assert ("torch.mv" in found) == (not quantized and rows == 1)
     assert ("onednn.packed" in found) == (not quantized and ONEDNN_PACKS.supported(torch.bfloat16))
     assert "torch.int8pack" not in found  # 40 columns: torch's kernel would crash
@@ -140,7 +141,8 @@ def test_packed_copies_are_kept_only_where_chosen_and_only_when_they_fit(cache_d
     if not ONEDNN_PACKS.supported(torch.float32):
         pytest.skip("this torch build packs no float32 weights for oneDNN")
     mats = weights()
-    def packed_wins_many_rows_of_32x16(fns, device, rows, before=None):  # as timing does, runs every candidate (so packs all)
+    # as timing does, runs every candidate (so packs all)
+    def packed_wins_many_rows_of_32x16(fns, device, rows, before=None, after=None):
         for fn in fns.values():
             fn()
         shape = next(iter(fns.values())).args[1].shape

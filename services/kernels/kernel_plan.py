@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 BUCKETS = ("1", "2-8", "9-64", "65+")
 PROBE_ROWS = (1, 4, 32, 128)  # the row count each bucket is timed at
 MAX_ROWS = (1, 8, 64, 1 << 62)
+TIMING = 2  # how candidates are timed (_fastest, cold_cache.py); a change re-measures every cached choice
 
 
 def bucket_of(rows: int) -> int:
@@ -128,8 +129,9 @@ class KernelPlan:
                 if name is None:
                     x = torch.randn(rows, weight.shape[1], device=device).to(dtype)
                     # few rows read W from memory in the engine (cold): time them so; many rows are compute-bound
+                    timed_cold = cold is not None and rows <= 64
                     name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows,
-                                    cold.evict if cold is not None and rows <= 64 else None)
+                                    cold.evict if timed_cold else None, cold.reread if timed_cold else None)
                     measured += len(found) > 1 and cache.put(entry, name)
                 names.append(name)
             choices[key] = tuple(names)
@@ -170,8 +172,9 @@ def _keep_chosen_packs(dense: Iterable[torch.Tensor], choices: dict[tuple, tuple
 
 
 def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int,
-             before: Callable[[], object] | None = None) -> str:
-    """The name of the fastest of `fns`, best of interleaved rounds; `before` runs, untimed, ahead of each call."""
+             before: Callable[[], object] | None = None, after: Callable[[], object] | None = None) -> str:
+    """The name of the fastest of `fns`, best of interleaved rounds; `before` runs, untimed, ahead of each call,
+    `after` right after it, timed with it (cold_cache.py: what the call evicted, read again)."""
     if len(fns) == 1:
         return next(iter(fns))
     best = dict.fromkeys(fns, float("inf"))
@@ -184,6 +187,8 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: i
                     before()
                 start = time.perf_counter()
                 fn()
+                if after is not None:
+                    after()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 best[name] = min(best[name], time.perf_counter() - start)
@@ -204,7 +209,7 @@ class ChoiceCache:
     @classmethod
     def open(cls, native: ModuleType | None) -> ChoiceCache:
         host = (f"{native_build.cpu_model()} | torch {torch.__version__} | native "
-                f"{native_build.build_key() if native else 'off'} | {torch.get_num_threads()} threads")
+                f"{native_build.build_key() if native else 'off'} | {torch.get_num_threads()} threads | timing {TIMING}")
         path = cache_root() / "kernels" / "choices.json"
         return cls(path, host, _read_json(path).get(host, {}))
 

@@ -121,10 +121,11 @@ def _values_and_scale(weight: torch.Tensor | Int8Weight) -> tuple[torch.Tensor, 
     return (weight.qweight, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
 
 
-def _native(module: ModuleType, rows: int) -> LinearFn:
-    # rows: W rows in flight per thread (1: one sequential stream; 4: four streams, prefetched)
+def _native(module: ModuleType, rows: int, non_temporal: bool = False) -> LinearFn:
+    # rows: W rows in flight per thread (1: one sequential stream; 4: four streams, prefetched, into the caches
+    # or past them: non_temporal)
     def skinny(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        return module.skinny_linear(x, *_values_and_scale(weight), bias, rows)
+        return module.skinny_linear(x, *_values_and_scale(weight), bias, rows, non_temporal)
     return skinny
 
 
@@ -215,6 +216,7 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
         found["native"] = _native(native, 1)
         found["native.4rows"] = _native(native, 4)
+        found["native.4rows.nt"] = _native(native, 4, non_temporal=True)
     if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
         # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode and prefill)
         found["native.tiled"] = _native_tiled(native.tiled_linear)
