@@ -96,10 +96,13 @@ def test_native_x16_kernel_is_its_reference(native, dtype, rows, out_features, i
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(got.double(), want, **tolerance)
     assert_within_half_a_step(want, x, weight.dequantize(torch.float64), bias)
-    for streams in (2, 3, 4):  # each thread's rows read as parts in turn: every output computed as before
-        assert torch.equal(native.int8_x16_linear(x, weight.qweight, weight.scale, bias, streams), got)
+    for streams in (1, 2, 3, 4):  # each thread's rows read as parts in turn, prefetched past the caches or not
+        for non_temporal in (False, True):  # every output computed as before
+            again = native.int8_x16_linear(x, weight.qweight, weight.scale, bias, streams, non_temporal)
+            assert torch.equal(again, got)
     # the plan's candidates offer it for int8 weights, few rows (w8a8 keeps its own product)
-    assert {"native.x16", "native.x16.4streams"} <= set(candidates("int8", True, in_features, 8, native))
+    assert {"native.x16", "native.x16.4streams", "native.x16.nt", "native.x16.4streams.nt"} <= set(
+        candidates("int8", True, in_features, 8, native))
     assert "native.x16" not in candidates("int8", True, in_features, 65, native)
     assert "native.x16" not in candidates("w8a8", True, in_features, 8, native)
 

@@ -13,9 +13,10 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                               const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams);
+                               const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                               bool non_temporal);
 torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
-                               const c10::optional<torch::Tensor>& bias, int64_t streams);
+                               const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
 torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                            const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
@@ -34,12 +35,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("int4_x16_linear", &int4_x16_linear,
         "int4_linear with x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs); each thread reads its W "
-        "rows as `streams` parts in turn",
-        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("bias"), py::arg("streams") = 1);
+        "rows as `streams` parts in turn, prefetched into the caches or past them (non_temporal)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("bias"), py::arg("streams") = 1,
+        py::arg("non_temporal") = false);
   m.def("int8_x16_linear", &int8_x16_linear,
         "y[M, N] = x @ (w * scale)^T (+ bias), x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs); "
-        "each thread reads its W rows as `streams` parts in turn",
-        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("streams") = 1);
+        "each thread reads its W rows as `streams` parts in turn, prefetched into the caches or past them "
+        "(non_temporal)",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("streams") = 1,
+        py::arg("non_temporal") = false);
   m.def("tiled_linear", &tiled_linear,
         "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]) in float32 for batches, W read once in 16-row panels "
         "(AVX2 CPUs)",

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "int4_block.h"
@@ -63,7 +64,7 @@ std::vector<float> lane_scales(const std::vector<float>& xscale, int64_t M, int6
 
 // acc[m] = sum_b (lanes of) scale pattern * xscale * (q . xq) for MT rows of x against one W row; the offsets
 // are added by the caller. sc: the row's group scales [groups], read as float16 pairs (two per block).
-template <int MT>
+template <int MT, int Locality>
 void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const uint8_t* packed, const at::Half* sc,
              float* acc) {
   const int64_t blocks = Kp / kBlock;
@@ -71,8 +72,8 @@ void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const uint8_t* 
   __m256 vacc[MT][2];
   for (int m = 0; m < MT; ++m) vacc[m][0] = vacc[m][1] = _mm256_setzero_ps();
   auto block = [&](int64_t b, int a) __attribute__((always_inline)) {
-    // a cache line per two blocks, kPrefetchBytes ahead (x16_groups.h)
-    if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(packed + kPrefetchBytes + b * 32), _MM_HINT_T0);
+    // a cache line per two blocks, kPrefetchBytes ahead (x16_groups.h), into the caches or past them (Locality 0)
+    if ((b & 1) == 0) __builtin_prefetch(packed + kPrefetchBytes + b * 32, 0, Locality);
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32));
     const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
     const __m256i q[4] = {_mm256_unpacklo_epi8(low, zero), _mm256_unpackhi_epi8(low, zero),
@@ -114,7 +115,8 @@ float offsets(const at::Half* lo, const float* xsum, int64_t groups) {
 }  // namespace
 
 torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                               const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams) {
+                               const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                               bool non_temporal) {
   const Int4Args w = check_product(x, packed, scale, low);
   const int64_t M = x.size(0), N = w.N, Kp = w.Kp, groups = w.groups;
   static const std::vector<int> columns = slot_columns();
@@ -123,11 +125,15 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();
-  return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
-    constexpr int MT = decltype(tile)::value;
-    dot_row<MT>(r.xq.data() + m * Kp, xlanes.data() + m * (Kp / kBlock) * 8, Kp, q + n * Kp / 2, s + n * groups, acc);
-    for (int i = 0; i < MT; ++i) acc[i] += offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
-  });
+  auto product = [&](auto locality) {
+    return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
+      constexpr int MT = decltype(tile)::value;
+      dot_row<MT, decltype(locality)::value>(r.xq.data() + m * Kp, xlanes.data() + m * (Kp / kBlock) * 8, Kp,
+                                             q + n * Kp / 2, s + n * groups, acc);
+      for (int i = 0; i < MT; ++i) acc[i] += offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
+    });
+  };
+  return non_temporal ? product(std::integral_constant<int, 0>{}) : product(std::integral_constant<int, 3>{});
 }
 
 #endif  // AVX2, FMA, F16C

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "x16_groups.h"
@@ -32,14 +33,14 @@ constexpr int64_t kGroup = 32;
 
 // acc[m] = sum_g xscale[m, g] * (w_g . xq_g) for MT rows of x (xq [*, Kp], xscale [*, groups]) against one
 // W row of K int8 (the last group, when K is not whole groups, in scalar code: the row ends there).
-template <int MT>
+template <int MT, int Locality>
 void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w, int64_t K, float* acc) {
   const int64_t groups = Kp / kGroup, whole = K / kGroup;
   __m256 vacc[MT][2];
   for (int m = 0; m < MT; ++m) vacc[m][0] = vacc[m][1] = _mm256_setzero_ps();
   auto group = [&](int64_t g, int a) __attribute__((always_inline)) {
-    // a cache line per two groups, kPrefetchBytes ahead (x16_groups.h)
-    if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + g * kGroup), _MM_HINT_T0);
+    // a cache line per two groups, kPrefetchBytes ahead (x16_groups.h), into the caches or past them (Locality 0)
+    if ((g & 1) == 0) __builtin_prefetch(w + kPrefetchBytes + g * kGroup, 0, Locality);
     const __m128i* wg = reinterpret_cast<const __m128i*>(w + g * kGroup);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wg)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wg + 1));
     for (int m = 0; m < MT; ++m) {
@@ -69,7 +70,7 @@ void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w
 }  // namespace
 
 torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
-                               const c10::optional<torch::Tensor>& bias, int64_t streams) {
+                               const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
               "w must be a contiguous CPU int8 [N, K]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
@@ -80,11 +81,15 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
   const X16Groups r = x16_groups(x, Kp);
   const int8_t* wv = w.data_ptr<int8_t>();
   const float* sv = scale.data_ptr<float>();
-  return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
-    constexpr int MT = decltype(tile)::value;
-    dot_row<MT>(r.xq.data() + m * Kp, r.xscale.data() + m * groups, Kp, wv + n * K, K, acc);
-    for (int i = 0; i < MT; ++i) acc[i] *= sv[n];
-  });
+  auto product = [&](auto locality) {
+    return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
+      constexpr int MT = decltype(tile)::value;
+      dot_row<MT, decltype(locality)::value>(r.xq.data() + m * Kp, r.xscale.data() + m * groups, Kp, wv + n * K, K,
+                                             acc);
+      for (int i = 0; i < MT; ++i) acc[i] *= sv[n];
+    });
+  };
+  return non_temporal ? product(std::integral_constant<int, 0>{}) : product(std::integral_constant<int, 3>{});
 }
 
 #endif  // AVX2, FMA, F16C
