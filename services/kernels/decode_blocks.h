@@ -88,15 +88,16 @@ void chunk_dv(const float* q, const T* k, const T* v, int64_t stride, int64_t n,
     for (int64_t i = 0; i < groups; ++i) {
       s[i] = score8<DV>(q + g * Dh, kf + i * 8 * Dh);
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * i)), lane));
-      s[i] = _mm256_blendv_ps(minus_inf, s[i], valid);
+      const __m256i left = _mm256_set1_epi32(static_cast<int>(n - 8 * i));  // tokens left: lanes past them get -inf
+      s[i] = _mm256_blendv_ps(minus_inf, s[i], _mm256_castsi256_ps(_mm256_cmpgt_epi32(left, lane)));
     }
     HeadState& st = heads[g];
     const float m = std::max(st.m, max8(_mm256_max_ps(s[0], s[1])));
     if (m > st.m) {  // rescale what is summed so far to the new maximum
       const float r = st.m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(st.m - m);
       st.l *= r;
-      for (int64_t d = 0; d < Dh; d += 8) _mm256_storeu_ps(st.acc + d, _mm256_mul_ps(_mm256_loadu_ps(st.acc + d), _mm256_set1_ps(r)));
+      for (int64_t d = 0; d < Dh; d += 8)
+        _mm256_storeu_ps(st.acc + d, _mm256_mul_ps(_mm256_loadu_ps(st.acc + d), _mm256_set1_ps(r)));
       st.m = m;
     }
     const __m256 e0 = exp_nonpositive(_mm256_sub_ps(s[0], _mm256_set1_ps(m)));

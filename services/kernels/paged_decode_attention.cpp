@@ -10,10 +10,10 @@
 //
 // Each (sequence, kv head) pair is one task: scores of its G query heads against every key
 // (float32), a softmax, then the values weighted by it. Every key and value is read once for the G
-// heads that share it, which is all decode attention must read. With AVX-512 (or AVX2) and Dh a
-// multiple of 16, each key and value row is loaded once as float32 vectors and the softmax's exp is
-// a polynomial on 16 (8) scores at a time; elsewhere the same loops run scalar (the compiler
-// vectorizes what it can).
+// heads that share it, which is all decode attention must read. With AVX-512 and Dh a multiple of 16,
+// each key and value row is loaded once as float32 vectors and the softmax's exp is a polynomial on 16
+// scores at a time; with AVX2 (no AVX-512) the context goes 16 tokens at a time with an online softmax
+// (decode_blocks.h); elsewhere the same loops run scalar (the compiler vectorizes what it can).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
