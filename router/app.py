@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +31,7 @@ from services.metrics import METRICS
 from services.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
+T = TypeVar("T")
 
 
 @dataclass
@@ -160,6 +164,32 @@ async def _started(first: asyncio.Future, events: AsyncIterator[str]) -> AsyncIt
             await events.aclose()
 
 
+LOOKUP_SECONDS = 10.0  # the longest the poller waits on the control store's list of workers
+
+
+async def on_daemon_thread(fn: Callable[[], T]) -> T:
+    """fn() on a daemon thread of its own, awaited. For blocking Ray calls: one stuck on a control store that
+    went away (its raylet killed with the router's process group) froze the event loop when made on it — every
+    request, and uvicorn's own shutdown on SIGTERM — and an executor's thread would hold the process's exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():  # not given up on (wait_for's timeout cancels it)
+            outcome()
+
+    def run() -> None:
+        try:
+            outcome = partial(future.set_result, fn())
+        except BaseException as error:  # handed to the awaiting task
+            outcome = partial(future.set_exception, error)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name="pdserve-lookup", daemon=True).start()
+    return await future
+
+
 async def _poll_workers(state: RouterState) -> None:
     """Renew this router's channels; refresh load and health; copy the workers' counters into the
     metrics."""
@@ -168,7 +198,8 @@ async def _poll_workers(state: RouterState) -> None:
         started = time.perf_counter()
         if polls % 5 == 4:  # workers `pdserve scale` added or removed since
             try:
-                for name in state.pool.discover():
+                found = await asyncio.wait_for(on_daemon_thread(state.pool.lookup), LOOKUP_SECONDS)
+                for name in state.pool.discover(found):
                     state.orchestrator.forget(name)
             except Exception as error:  # the control store did not answer: next time
                 log.warning("looking up the workers failed: %r", error)

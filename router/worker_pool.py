@@ -90,13 +90,18 @@ class WorkerPool:
         self.kv_bytes_per_second: float | None = None  # the decode workers' KV fetches, running average
         self.reader_id = uuid.uuid4().hex  # each router gets every worker sample once, whoever else polls
 
-    def discover(self) -> list[str]:
-        """Attach to every named pdserve worker in the namespace, and forget those that are gone
-        (`pdserve scale` removed them). A worker that stopped answering is looked up again: its
-        name may now belong to a new actor (removed, then added back). Returns the names whose
-        worker was forgotten or replaced."""
+    def lookup(self) -> dict[str, object]:
+        """The named workers the control store lists now, by name: a blocking Ray call, which the router
+        makes off its event loop (app.py)."""
         live = {name: w.actor for name, w in self.workers.items() if w.alive}
-        found = named_workers(self.namespace, known=live)
+        return named_workers(self.namespace, known=live)
+
+    def discover(self, found: dict[str, object] | None = None) -> list[str]:
+        """Attach to every named pdserve worker in the namespace (`found`: a `lookup()` made before; None:
+        made now), and forget those that are gone (`pdserve scale` removed them). A worker that stopped
+        answering is looked up again: its name may now belong to a new actor (removed, then added back).
+        Returns the names whose worker was forgotten or replaced."""
+        found = self.lookup() if found is None else found
         changed = [name for name, w in self.workers.items()
                    if name not in found or found[name]._actor_id != w.actor._actor_id]
         for name in changed:

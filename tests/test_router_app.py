@@ -150,3 +150,37 @@ def test_the_openapi_document_lists_the_answers_the_server_gives():
     assert "401" in keyed["paths"]["/tokenize"]["post"]["responses"]
     assert "401" not in keyed["paths"]["/health"]["get"]["responses"]
     assert "401" not in keyed["paths"]["/metrics"]["get"]["responses"]
+
+
+def test_a_stuck_worker_lookup_holds_neither_the_event_loop_nor_the_exit():
+    # The control store's list call blocked forever once the raylet died (SIGTERM to the process group): made on
+    # the event loop it froze every request and uvicorn's shutdown. Off the loop, on a daemon thread, the loop
+    # runs on, the poller gives up after its timeout, and the thread cannot hold the interpreter's exit.
+    from router.app import on_daemon_thread
+
+    never = threading.Event()
+    started = []
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(on_daemon_thread(lambda: started.append(1) or never.wait()), 0.2)
+        ticker.cancel()
+        assert await on_daemon_thread(lambda: 7) == 7
+        with pytest.raises(ZeroDivisionError):
+            await on_daemon_thread(lambda: 1 / 0)
+        return ticks
+
+    assert asyncio.run(main()) > 10  # the loop ran while the lookup was stuck
+    assert started == [1]
+    stuck = [t for t in threading.enumerate() if t.name == "pdserve-lookup" and t.is_alive()]
+    assert stuck and all(t.daemon for t in stuck)
+    never.set()
