@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.report import environment, format_table, write_results
 from services.hardware_peaks import fastest_float32_product
+from services.kernels.linear_candidates import SKINNY_VARIANTS
 
 
 def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1, device: str = "cpu") -> float:
@@ -81,7 +82,7 @@ class ReadProbe:
         with torch.inference_mode():
             return max(self.num_bytes / best_time(partial(native.skinny_linear, vector, matrix, None, None, rows, nt),
                                                   repeats, warmup=0, device=self.device)
-                       for matrix, vector in shapes for rows, nt in ((1, False), (4, False), (4, True)))
+                       for matrix, vector in shapes for rows, nt in SKINNY_VARIANTS.values())
 
     def __call__(self, repeats: int = 2) -> float:
         return max(self.sum_rate(repeats), self.gemv_rate(repeats), self.native_rate(repeats))

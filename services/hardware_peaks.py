@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from services.kernels.linear_candidates import onednn_linear
+from services.kernels.linear_candidates import SKINNY_VARIANTS, onednn_linear
 from services.kernels.native import load
 from services.kernels.onednn_packs import ONEDNN_PACKS
 
@@ -45,8 +45,7 @@ class HardwarePeaks:
         read = best_seconds(lambda: F.linear(vector, matrix), device, repeats=3)
         native = load() if device.type == "cpu" else None
         if native is not None:  # where the native kernel streams faster, that is the ceiling
-            # W rows in flight per thread: one stream, or four, prefetched into the caches or past them
-            for rows, non_temporal in ((1, False), (4, False), (4, True)):
+            for rows, non_temporal in SKINNY_VARIANTS.values():
                 read = min(read, best_seconds(partial(native.skinny_linear, vector, matrix, None, None, rows,
                                                       non_temporal), device, repeats=3))
         return cls(2 * matmul_size**3 / matmul, matrix.numel() * 4 / read)

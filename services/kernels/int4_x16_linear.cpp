@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "int4_block.h"
@@ -125,15 +124,14 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();
-  auto product = [&](auto locality) {
+  return with_prefetch_locality(non_temporal, [&](auto locality) {
     return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
       constexpr int MT = decltype(tile)::value;
       dot_row<MT, decltype(locality)::value>(r.xq.data() + m * Kp, xlanes.data() + m * (Kp / kBlock) * 8, Kp,
                                              q + n * Kp / 2, s + n * groups, acc);
       for (int i = 0; i < MT; ++i) acc[i] += offsets(lo + n * groups, r.xsum.data() + (m + i) * groups, groups);
     });
-  };
-  return non_temporal ? product(std::integral_constant<int, 0>{}) : product(std::integral_constant<int, 3>{});
+  });
 }
 
 #endif  // AVX2, FMA, F16C

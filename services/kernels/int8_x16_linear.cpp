@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "x16_groups.h"
@@ -81,15 +80,14 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
   const X16Groups r = x16_groups(x, Kp);
   const int8_t* wv = w.data_ptr<int8_t>();
   const float* sv = scale.data_ptr<float>();
-  auto product = [&](auto locality) {
+  return with_prefetch_locality(non_temporal, [&](auto locality) {
     return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
       constexpr int MT = decltype(tile)::value;
       dot_row<MT, decltype(locality)::value>(r.xq.data() + m * Kp, r.xscale.data() + m * groups, Kp, wv + n * K, K,
                                              acc);
       for (int i = 0; i < MT; ++i) acc[i] *= sv[n];
     });
-  };
-  return non_temporal ? product(std::integral_constant<int, 0>{}) : product(std::integral_constant<int, 3>{});
+  });
 }
 
 #endif  // AVX2, FMA, F16C

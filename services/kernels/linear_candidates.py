@@ -148,6 +148,9 @@ def _native_int4(kernel: Callable, *options: int) -> LinearFn:
     return int4
 
 
+# skinny_linear's variants by candidate name: (W rows in flight per thread, non_temporal prefetch); the read
+# ceilings time them too (services/hardware_peaks.py, benchmarks/ceilings.py)
+SKINNY_VARIANTS = {"native": (1, False), "native.4rows": (4, False), "native.4rows.nt": (4, True)}
 # x16 kernels: each thread's W rows also read as this many parts in turn (x16_groups.h: more of W in flight
 # where the kernel waits on memory; where it waits on its arithmetic, one part wins)
 X16_STREAMS = 4
@@ -221,9 +224,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and packed and ONEDNN_PACKS.supported(getattr(torch, weight_format)):
             found["onednn.packed"] = ONEDNN_PACKS.linear
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
-        found["native"] = _native(native, 1)
-        found["native.4rows"] = _native(native, 4)
-        found["native.4rows.nt"] = _native(native, 4, non_temporal=True)
+        for name, (rows, non_temporal) in SKINNY_VARIANTS.items():
+            found[name] = _native(native, rows, non_temporal)
     if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
         # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode and prefill)
         found["native.tiled"] = _native_tiled(native.tiled_linear)

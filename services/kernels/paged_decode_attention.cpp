@@ -213,10 +213,9 @@ void attend_task_chunks(const float* qf, const T* keys, const T* values, const i
   std::vector<float> p(G * kChunk);
   // chunk i: block i / per_block, its tokens from (i % per_block) * kChunk on; its first row's offset (head kh0)
   const int64_t per_block = (block_size + kChunk - 1) / kChunk;
-  const int64_t chunks = (T_len + block_size - 1) / block_size * per_block;
   auto chunk_at = [&](int64_t i, int64_t* first) {  // -> its token count (0: past the context)
     const int64_t b = i / per_block, c = i % per_block * kChunk, start = b * block_size + c;
-    if (i >= chunks || start >= T_len) return int64_t{0};
+    if (start >= T_len) return int64_t{0};
     *first = ((table[b] * block_size + c) * K + kh0) * Dh;
     return std::min({kChunk, block_size - c, T_len - start});
   };

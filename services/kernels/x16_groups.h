@@ -96,6 +96,13 @@ inline X16Groups x16_groups(const torch::Tensor& x, int64_t Kp, const std::vecto
   return r;
 }
 
+// f(std::integral_constant<int, L>{}) with L the prefetch locality the kernels pass to __builtin_prefetch:
+// 0 (non-temporal, past the caches) or 3 (into every level), so each kernel's loop is compiled once for each.
+template <typename F>
+auto with_prefetch_locality(bool non_temporal, F&& f) {
+  return non_temporal ? f(std::integral_constant<int, 0>{}) : f(std::integral_constant<int, 3>{});
+}
+
 // y [M, N] in x's dtype (bias [N] added, each value rounded once) of a kernel whose rows(tile, m, n, acc) puts
 // into acc[0..MT) the float32 results of x rows m..m+MT against W row n, MT = decltype(tile)::value (1..4, a
 // compile-time constant: the kernels keep MT rows of accumulators in registers). Threads split N; each thread
