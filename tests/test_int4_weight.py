@@ -114,8 +114,8 @@ def test_native_x16_kernel_is_its_reference(native, dtype, rows, out_features, i
     else:
         torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype], check_dtype=False)
     assert_within_half_a_step(want, x, weight.dequantize(torch.float64), bias)
-    for streams in (1, 2, 3, 4):  # each thread's rows read as parts in turn, prefetched past the caches or not
-        for non_temporal in (False, True):  # every output computed as before
+    for streams in (1, 2, 3, 4):  # each thread's rows read as parts (together for one x row, else in turn),
+        for non_temporal in (False, True):  # prefetched past the caches or not: every output computed as before
             again = native.int4_x16_linear(x, weight.packed, weight.scale, weight.low, bias, streams, non_temporal)
             assert torch.equal(again, got)
     assert {"native.x16", "native.x16.4streams", "native.x16.nt", "native.x16.4streams.nt"} <= set(

@@ -25,7 +25,8 @@ def x16_groups(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.round(groups * inv).double(), (amax / 32767.0).squeeze(2).double()
 
 
-X16_SHAPES = [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200), (1, 130, 2048), (6, 37, 256)]  # rows, N, K
+# rows, N, K; (1, 45, 100): one x row, each thread's rows in 4 parts read together and a few left over, a partial group
+X16_SHAPES = [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200), (1, 130, 2048), (6, 37, 256), (1, 45, 100)]
 
 
 def x16_case(rows: int, in_features: int, g: torch.Generator) -> torch.Tensor:
@@ -96,8 +97,8 @@ def test_native_x16_kernel_is_its_reference(native, dtype, rows, out_features, i
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(got.double(), want, **tolerance)
     assert_within_half_a_step(want, x, weight.dequantize(torch.float64), bias)
-    for streams in (1, 2, 3, 4):  # each thread's rows read as parts in turn, prefetched past the caches or not
-        for non_temporal in (False, True):  # every output computed as before
+    for streams in (1, 2, 3, 4):  # each thread's rows read as parts (together for one x row, else in turn),
+        for non_temporal in (False, True):  # prefetched past the caches or not: every output computed as before
             again = native.int8_x16_linear(x, weight.qweight, weight.scale, bias, streams, non_temporal)
             assert torch.equal(again, got)
     # the plan's candidates offer it for int8 weights, few rows (w8a8 keeps its own product)
@@ -117,5 +118,6 @@ def test_native_x16_kernel_refuses_mismatched_shapes(native):
         native.int8_x16_linear(torch.ones(1, 40), weight.qweight, weight.scale.half(), None)
     with pytest.raises(RuntimeError, match="w must be a contiguous CPU int8"):
         native.int8_x16_linear(torch.ones(1, 40), weight.qweight.float(), weight.scale, None)
-    with pytest.raises(RuntimeError, match="streams must be at least 1, got 0"):
-        native.int8_x16_linear(torch.ones(1, 40), weight.qweight, weight.scale, None, 0)
+    for streams in (0, 5):
+        with pytest.raises(RuntimeError, match=f"streams must be 1 to 4, got {streams}"):
+            native.int8_x16_linear(torch.ones(1, 40), weight.qweight, weight.scale, None, streams)

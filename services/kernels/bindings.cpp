@@ -35,13 +35,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("int4_x16_linear", &int4_x16_linear,
         "int4_linear with x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs); each thread reads its W "
-        "rows as `streams` parts in turn, prefetched into the caches or past them (non_temporal)",
+        "rows as `streams` (1-4) parts, together for one x row, else in turn, prefetched into the caches or past them "
+        "(non_temporal)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("bias"), py::arg("streams") = 1,
         py::arg("non_temporal") = false);
   m.def("int8_x16_linear", &int8_x16_linear,
         "y[M, N] = x @ (w * scale)^T (+ bias), x as int16 per 32-column group (integer multiply-adds; AVX2 CPUs); "
-        "each thread reads its W rows as `streams` parts in turn, prefetched into the caches or past them "
-        "(non_temporal)",
+        "each thread reads its W rows as `streams` (1-4) parts, together for one x row, else in turn, prefetched into "
+        "the caches or past them (non_temporal)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("streams") = 1,
         py::arg("non_temporal") = false);
   m.def("tiled_linear", &tiled_linear,

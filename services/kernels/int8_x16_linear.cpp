@@ -30,23 +30,36 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
-// acc[m] = sum_g xscale[m, g] * (w_g . xq_g) for MT rows of x (xq [*, Kp], xscale [*, groups]) against one
-// W row of K int8 (the last group, when K is not whole groups, in scalar code: the row ends there).
-template <int MT, int Locality>
-void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w, int64_t K, float* acc) {
+// acc[m * R + r] = sum_g xscale[m, g] * (w_r,g . xq_m,g) for MT rows of x (xq [*, Kp], xscale [*, groups])
+// against R W rows of K int8, `stride` bytes apart (R > 1 only with MT = 1: the registers hold MT x R x 2
+// accumulators); the last group, when K is not whole groups, in scalar code: the row ends there. Each row's
+// arithmetic is the same for any R, so its result is bit-identical.
+template <int MT, int R, int Locality>
+void dot_rows(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w, int64_t stride, int64_t K,
+              float* acc) {
+  static_assert(MT == 1 || R == 1, "several W rows at once for one x row only");
   const int64_t groups = Kp / kGroup, whole = K / kGroup;
-  __m256 vacc[MT][2];
-  for (int m = 0; m < MT; ++m) vacc[m][0] = vacc[m][1] = _mm256_setzero_ps();
+  __m256 vacc[MT][R][2];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) vacc[m][r][0] = vacc[m][r][1] = _mm256_setzero_ps();
   auto group = [&](int64_t g, int a) __attribute__((always_inline)) {
-    // a cache line per two groups, kPrefetchBytes ahead (x16_groups.h), into the caches or past them (Locality 0)
-    if ((g & 1) == 0) __builtin_prefetch(w + kPrefetchBytes + g * kGroup, 0, Locality);
-    const __m128i* wg = reinterpret_cast<const __m128i*>(w + g * kGroup);
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wg)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wg + 1));
+    __m256i w0[R], w1[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* wg = w + r * stride + g * kGroup;
+      // a cache line per two groups, kPrefetchBytes ahead in all (x16_groups.h: each of R streams a 1 / R of
+      // it), into the caches or past them (Locality 0)
+      if ((g & 1) == 0) __builtin_prefetch(wg + kPrefetchBytes / R, 0, Locality);
+      w0[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
+      w1[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16)));
+    }
     for (int m = 0; m < MT; ++m) {
       const __m256i* xg = reinterpret_cast<const __m256i*>(xq + m * Kp + g * kGroup);
-      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xg)),
-                                           _mm256_madd_epi16(w1, _mm256_loadu_si256(xg + 1)));  // [8] int32
-      vacc[m][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(xscale + m * groups + g), vacc[m][a]);
+      const __m256i x0 = _mm256_loadu_si256(xg), x1 = _mm256_loadu_si256(xg + 1);
+      const __m256 xs = _mm256_broadcast_ss(xscale + m * groups + g);
+      for (int r = 0; r < R; ++r) {
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0[r], x0), _mm256_madd_epi16(w1[r], x1));  // [8] int32
+        vacc[m][r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs, vacc[m][r][a]);
+      }
     }
   };
   int64_t g = 0;
@@ -55,15 +68,16 @@ void dot_row(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w
     group(g + 1, 1);
   }
   if (g < whole) group(g, 0);
-  for (int m = 0; m < MT; ++m) {
-    float total = sum8(_mm256_add_ps(vacc[m][0], vacc[m][1]));
-    if (whole < groups) {  // the last, partial group: xq is 0 past K
-      int64_t dot = 0;
-      for (int64_t k = whole * kGroup; k < K; ++k) dot += w[k] * xq[m * Kp + k];
-      total += xscale[m * groups + whole] * static_cast<float>(dot);
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) {
+      float total = sum8(_mm256_add_ps(vacc[m][r][0], vacc[m][r][1]));
+      if (whole < groups) {  // the last, partial group: xq is 0 past K
+        int64_t dot = 0;
+        for (int64_t k = whole * kGroup; k < K; ++k) dot += w[r * stride + k] * xq[m * Kp + k];
+        total += xscale[m * groups + whole] * static_cast<float>(dot);
+      }
+      acc[m * R + r] = total;
     }
-    acc[m] = total;
-  }
 }
 
 }  // namespace
@@ -81,12 +95,14 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
   const int8_t* wv = w.data_ptr<int8_t>();
   const float* sv = scale.data_ptr<float>();
   return with_prefetch_locality(non_temporal, [&](auto locality) {
-    return x16_product(x, N, bias, streams, [&](auto tile, int64_t m, int64_t n, float* acc) {
-      constexpr int MT = decltype(tile)::value;
-      dot_row<MT, decltype(locality)::value>(r.xq.data() + m * Kp, r.xscale.data() + m * groups, Kp, wv + n * K, K,
-                                             acc);
-      for (int i = 0; i < MT; ++i) acc[i] *= sv[n];
-    });
+    auto rows = [&](auto tile, auto parts, int64_t m, int64_t n, int64_t stride, float* acc) {
+      constexpr int MT = decltype(tile)::value, R = decltype(parts)::value;
+      dot_rows<MT, R, decltype(locality)::value>(r.xq.data() + m * Kp, r.xscale.data() + m * groups, Kp, wv + n * K,
+                                                 stride * K, K, acc);
+      for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < R; ++j) acc[i * R + j] *= sv[n + j * stride];
+    };
+    return x16_product(x, N, bias, streams, rows);
   });
 }
 

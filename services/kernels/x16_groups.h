@@ -103,17 +103,23 @@ auto with_prefetch_locality(bool non_temporal, F&& f) {
   return non_temporal ? f(std::integral_constant<int, 0>{}) : f(std::integral_constant<int, 3>{});
 }
 
-// y [M, N] in x's dtype (bias [N] added, each value rounded once) of a kernel whose rows(tile, m, n, acc) puts
-// into acc[0..MT) the float32 results of x rows m..m+MT against W row n, MT = decltype(tile)::value (1..4, a
-// compile-time constant: the kernels keep MT rows of accumulators in registers). Threads split N; each thread
-// streams its W rows once for every 4 rows of x, as `streams` parts read in turn, a row of each: the CPU's
-// prefetchers follow each part as its own stream, so more of W is in flight. On an AMD EPYC Zen 3 (2 threads,
-// a cycle of 16384 x 2048 int8 weights) 4 parts read ~1.17x faster than 1; int4's kernel, bound by its
-// arithmetic there, ran ~0.75x as fast: the kernel plan times both (docs/kernels.md).
+// y [M, N] in x's dtype (bias [N] added, each value rounded once) of a kernel whose
+// rows(tile, parts, m, n, stride, acc) puts into acc[i * R + r] the float32 result of x row m + i against W row
+// n + r * stride, for i < MT = decltype(tile)::value (1..4) and r < R = decltype(parts)::value (1..kMaxParts; R > 1
+// only with MT = 1): compile-time constants, the kernels keep MT x R accumulators in registers. Threads split N;
+// each thread streams its W rows once for every 4 rows of x, as `streams` parts: for one x row (a decode step's
+// batch of 1) a row of each part is read together, their streams interleaved cache line by cache line; for
+// several, a row of each part in turn. The CPU's prefetchers follow each part as its own stream and DRAM serves
+// them from different pages at once: on an AMD EPYC Zen 2 (2 threads, a cycle of 16384 x 2048 int8 weights) 4
+// parts read together streamed 33-35 GB/s against 23-24 for one part or 4 in turn; on a Zen 3, 4 parts in turn
+// read ~1.17x faster than 1 (int4's kernel, bound by its arithmetic there, ~0.75x): the kernel plan times both
+// (docs/kernels.md).
+constexpr int64_t kMaxParts = 4;
+
 template <typename Rows>
 torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
                           Rows rows) {
-  TORCH_CHECK(streams >= 1, "streams must be at least 1, got ", streams);
+  TORCH_CHECK(streams >= 1 && streams <= kMaxParts, "streams must be 1 to ", kMaxParts, ", got ", streams);
   constexpr int64_t kTile = 4;
   const int64_t M = x.size(0);
   const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
@@ -121,22 +127,37 @@ torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional
   torch::Tensor y = torch::empty({M, N}, x.options());
   with_data(y, [&](auto* out) {
     using Out = std::remove_pointer_t<decltype(out)>;
+    using One = std::integral_constant<int, 1>;
     at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
-      float acc[kTile];
+      float acc[std::max(kTile, kMaxParts)];
       const int64_t per = (n1 - n0) / streams;  // W rows of each part; the rest after them, in order
       for (int64_t m = 0; m < M; m += kTile) {
         const int64_t mt = std::min(kTile, M - m);
+        auto store = [&](int64_t i, int64_t n, float v) {
+          out[(m + i) * N + n] = static_cast<Out>(bv ? v + bv[n] : v);
+        };
         auto row = [&](int64_t n) {
           switch (mt) {
-            case 1: rows(std::integral_constant<int, 1>{}, m, n, acc); break;
-            case 2: rows(std::integral_constant<int, 2>{}, m, n, acc); break;
-            case 3: rows(std::integral_constant<int, 3>{}, m, n, acc); break;
-            default: rows(std::integral_constant<int, 4>{}, m, n, acc); break;
+            case 1: rows(One{}, One{}, m, n, 0, acc); break;
+            case 2: rows(std::integral_constant<int, 2>{}, One{}, m, n, 0, acc); break;
+            case 3: rows(std::integral_constant<int, 3>{}, One{}, m, n, 0, acc); break;
+            default: rows(std::integral_constant<int, 4>{}, One{}, m, n, 0, acc); break;
           }
-          for (int64_t i = 0; i < mt; ++i) out[(m + i) * N + n] = static_cast<Out>(bv ? acc[i] + bv[n] : acc[i]);
+          for (int64_t i = 0; i < mt; ++i) store(i, n, acc[i]);
         };
-        for (int64_t i = 0; i < per; ++i)
-          for (int64_t s = 0; s < streams; ++s) row(n0 + s * per + i);
+        auto together = [&](auto parts) {  // row i of every part at once
+          constexpr int R = decltype(parts)::value;
+          for (int64_t i = 0; i < per; ++i) {
+            rows(One{}, parts, m, n0 + i, per, acc);
+            for (int r = 0; r < R; ++r) store(0, n0 + r * per + i, acc[r]);
+          }
+        };
+        if (mt == 1 && streams == 2) together(std::integral_constant<int, 2>{});
+        else if (mt == 1 && streams == 3) together(std::integral_constant<int, 3>{});
+        else if (mt == 1 && streams == 4) together(std::integral_constant<int, 4>{});
+        else
+          for (int64_t i = 0; i < per; ++i)
+            for (int64_t s = 0; s < streams; ++s) row(n0 + s * per + i);
         for (int64_t n = n0 + streams * per; n < n1; ++n) row(n);
       }
     });
