@@ -80,9 +80,9 @@ class ReadProbe:
         as_bf16 = self.buffer.view(torch.bfloat16).view(-1, 8192)
         shapes = ((self._matrix, self._vector), (as_bf16, torch.ones(1, 8192, dtype=torch.bfloat16)))
         with torch.inference_mode():
-            return max(self.num_bytes / best_time(partial(native.skinny_linear, vector, matrix, None, None, rows, nt),
+            return max(self.num_bytes / best_time(partial(native.skinny_linear, vector, matrix, None, None, *variant),
                                                   repeats, warmup=0, device=self.device)
-                       for matrix, vector in shapes for rows, nt in SKINNY_VARIANTS.values())
+                       for matrix, vector in shapes for variant in SKINNY_VARIANTS.values())
 
     def __call__(self, repeats: int = 2) -> float:
         return max(self.sum_rate(repeats), self.gemv_rate(repeats), self.native_rate(repeats))

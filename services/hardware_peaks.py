@@ -45,9 +45,9 @@ class HardwarePeaks:
         read = best_seconds(lambda: F.linear(vector, matrix), device, repeats=3)
         native = load() if device.type == "cpu" else None
         if native is not None:  # where the native kernel streams faster, that is the ceiling
-            for rows, non_temporal in SKINNY_VARIANTS.values():
-                read = min(read, best_seconds(partial(native.skinny_linear, vector, matrix, None, None, rows,
-                                                      non_temporal), device, repeats=3))
+            for variant in SKINNY_VARIANTS.values():
+                read = min(read, best_seconds(partial(native.skinny_linear, vector, matrix, None, None, *variant),
+                                              device, repeats=3))
         return cls(2 * matmul_size**3 / matmul, matrix.numel() * 4 / read)
 
 

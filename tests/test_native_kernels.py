@@ -8,38 +8,41 @@ import torch.nn.functional as F
 
 from services.attention import AttentionMetadata, torch_decode_attention
 from services.kernels import native as native_build
+from services.kernels.linear_candidates import SKINNY_VARIANTS
 from services.quantized_weight import Int8Weight
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2),
              torch.float16: dict(rtol=2e-3, atol=5e-3)}
 
 
-@pytest.mark.parametrize("rows_in_flight,non_temporal", [(1, False), (4, False), (4, True)])
+# every variant the kernel plan offers (rows in flight, non-temporal prefetch, rows one from each quarter)
+VARIANTS = pytest.mark.parametrize("variant", list(SKINNY_VARIANTS.values()), ids=list(SKINNY_VARIANTS))
+
+
+@VARIANTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 1), (1, 7, 15), (3, 33, 17), (5, 9, 100),
-                                                           (8, 64, 48), (13, 5, 31), (1, 130, 2048)])
-def test_skinny_linear_matches_f_linear(native, dtype, rows, out_features, in_features, rows_in_flight,
-                                        non_temporal):
+                                                           (8, 64, 48), (13, 5, 31), (1, 130, 2048), (2, 203, 70)])
+def test_skinny_linear_matches_f_linear(native, dtype, rows, out_features, in_features, variant):
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype)
-    got = native.skinny_linear(x, w, None, bias, rows_in_flight, non_temporal)
+    got = native.skinny_linear(x, w, None, bias, *variant)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     want = F.linear(x.float(), w.float(), bias.float())  # what torch's CPU linear computes before rounding
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("rows_in_flight,non_temporal", [(1, False), (4, False), (4, True)])
+@VARIANTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 3, 5), (2, 17, 40), (7, 33, 129), (1, 6, 256),
-                                                           (5, 4, 200)])
-def test_skinny_linear_int8_is_the_dequantized_product(native, dtype, rows, out_features, in_features,
-                                                       rows_in_flight, non_temporal):
+                                                           (5, 4, 200), (1, 75, 64)])
+def test_skinny_linear_int8_is_the_dequantized_product(native, dtype, rows, out_features, in_features, variant):
     g = torch.Generator().manual_seed(rows + out_features)
     weight = Int8Weight.quantize(torch.randn(out_features, in_features, generator=g))
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    got = native.skinny_linear(x, weight.qweight, weight.scale, None, rows_in_flight, non_temporal)
+    got = native.skinny_linear(x, weight.qweight, weight.scale, None, *variant)
     want = F.linear(x.float(), weight.dequantize(torch.float32))
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
@@ -53,6 +56,8 @@ def test_skinny_linear_refuses_mismatched_shapes(native):
         native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), None, None, 2)
     with pytest.raises(RuntimeError, match="non_temporal names the prefetch of 4 rows in flight"):
         native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), None, None, 1, True)
+    with pytest.raises(RuntimeError, match="parts names 4 rows in flight, one from each quarter"):
+        native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), None, None, 1, False, True)
 
 
 def decode_case(dtype, num_seqs=3, heads=6, kv_heads=2, head_dim=24, block_size=4, context_lens=(1, 9, 17)):

@@ -2,7 +2,7 @@
 #include <torch/extension.h>
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                            const c10::optional<torch::Tensor>& bias, int64_t rows, bool non_temporal);
+                            const c10::optional<torch::Tensor>& bias, int64_t rows, bool non_temporal, bool parts);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                      int64_t block_size, double scale);
@@ -29,7 +29,7 @@ void rotate_heads(torch::Tensor& x, const torch::Tensor& cos, const torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]), few rows of x",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("rows") = 1,
-        py::arg("non_temporal") = false);
+        py::arg("non_temporal") = false, py::arg("parts") = false);
   m.def("int4_linear", &int4_linear, "y[M, N] = x[M, K] @ W^T (+ bias[N]), W group-wise int4 (int4_weight.py)");
   m.def("int4_tiled_linear", &int4_tiled_linear, "int4_linear for several rows: W dequantized 16 rows at a time");
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)

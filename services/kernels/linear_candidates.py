@@ -121,11 +121,11 @@ def _values_and_scale(weight: torch.Tensor | Int8Weight) -> tuple[torch.Tensor, 
     return (weight.qweight, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
 
 
-def _native(module: ModuleType, rows: int, non_temporal: bool = False) -> LinearFn:
+def _native(module: ModuleType, rows: int, non_temporal: bool = False, parts: bool = False) -> LinearFn:
     # rows: W rows in flight per thread (1: one sequential stream; 4: four streams, prefetched, into the caches
-    # or past them: non_temporal)
+    # or past them: non_temporal), adjacent rows or one from each quarter of the thread's rows (parts)
     def skinny(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        return module.skinny_linear(x, *_values_and_scale(weight), bias, rows, non_temporal)
+        return module.skinny_linear(x, *_values_and_scale(weight), bias, rows, non_temporal, parts)
     return skinny
 
 
@@ -148,9 +148,11 @@ def _native_int4(kernel: Callable, *options: int) -> LinearFn:
     return int4
 
 
-# skinny_linear's variants by candidate name: (W rows in flight per thread, non_temporal prefetch); the read
-# ceilings time them too (services/hardware_peaks.py, benchmarks/ceilings.py)
-SKINNY_VARIANTS = {"native": (1, False), "native.4rows": (4, False), "native.4rows.nt": (4, True)}
+# skinny_linear's variants by candidate name: (W rows in flight per thread, non_temporal prefetch, the rows one
+# from each quarter of the thread's rows); the read ceilings time them too (services/hardware_peaks.py,
+# benchmarks/ceilings.py)
+SKINNY_VARIANTS = {"native": (1, False, False), "native.4rows": (4, False, False), "native.4rows.nt": (4, True, False),
+                   "native.4parts": (4, False, True), "native.4parts.nt": (4, True, True)}
 # x16 kernels: each thread's W rows also read as this many parts, a row of each together for one x row, in turn
 # for several (x16_groups.h: more of W in flight where the kernel waits on memory; where it waits on its
 # arithmetic, one part wins). Together, on a Zen 2: a whole int8 `1b` decode step 47.7 -> 39.8 ms, int4 36.5 -> 34.0
@@ -225,8 +227,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and packed and ONEDNN_PACKS.supported(getattr(torch, weight_format)):
             found["onednn.packed"] = ONEDNN_PACKS.linear
     if on_cpu and native is not None and max_rows <= 64:  # a streaming kernel: only for few rows
-        for name, (rows, non_temporal) in SKINNY_VARIANTS.items():
-            found[name] = _native(native, rows, non_temporal)
+        for name, variant in SKINNY_VARIANTS.items():
+            found[name] = _native(native, *variant)
     if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
         # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode and prefill)
         found["native.tiled"] = _native_tiled(native.tiled_linear)

@@ -51,16 +51,20 @@ inline void reduce_rows(typename Vec::V vacc[][kAcc], float acc[kMaxTileM][kAcc]
 }
 #endif
 
-// acc[m][r] = dot(x[m, :], w[r * K:][:K]) for R W rows (w: [R, K]) and m < MT x rows `x_stride`
-// apart. R = 1: each thread reads its part of W as one sequential stream, kAcc accumulators over
-// interleaved chunks of k hiding the FMA/dot latency. R = 4: four rows in flight (four streams K
-// apart), one accumulator each, plus a software prefetch of the next four with __builtin_prefetch's
-// Locality: 3 (into every cache level) or 0 (non-temporal: W is read once per step; on a Zen 2 the
-// kernel alone 5-10% faster on 2048-wide W, 2% slower on 8192-wide, a whole bf16 `1b` decode step 7%
-// faster, 91.9 -> 85.0 ms). Which wins depends on the CPU and K (measured on a Zen 4: R = 1 for int8
-// and 2048-wide W, R = 4 for 8192-wide bf16), so all three are candidates of the kernel plan.
+// acc[m][r] = dot(x[m, :], w[r * stride:][:K]) for R W rows and m < MT x rows `x_stride` apart.
+// R = 1: each thread reads its part of W as one sequential stream, kAcc accumulators over interleaved
+// chunks of k hiding the FMA/dot latency. R = 4: four rows in flight, one accumulator each, plus a
+// software prefetch of each row's successor in its stream (`next` elements on) with
+// __builtin_prefetch's Locality: 3 (into every cache level) or 0 (non-temporal: W is read once per
+// step; on a Zen 2 the kernel alone 5-10% faster on 2048-wide W, 2% slower on 8192-wide, a whole bf16
+// `1b` decode step 7% faster, 91.9 -> 85.0 ms). The four rows are adjacent (stride K, each stream's
+// next row 4 K on) or one from each quarter of the thread's rows (`parts`: stride a quarter, next K
+// on), whose streams DRAM serves from different pages at once (Zen 2, 2048-wide bf16 W: 5-10% faster
+// than adjacent rows, 8192-wide the same). Which wins depends on the CPU and K (measured on a Zen 4:
+// R = 1 for int8 and 2048-wide W, R = 4 for 8192-wide bf16), so all are candidates of the kernel plan.
 template <typename X, typename W, int MT, int R, int Locality>
-void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMaxTileM][kAcc]) {
+void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, int64_t stride, int64_t next,
+              float acc[kMaxTileM][kAcc]) {
   static_assert(R == 1 || R == kAcc, "one row with kAcc accumulators, or kAcc rows with one each");
   constexpr int kPhases = kAcc / R;  // accumulators per W row
   int64_t k = 0;
@@ -94,8 +98,8 @@ void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMa
     for (int a = 0; k < K64; k += 64, a = (a + 1) % kPhases) {
       __m512bh wa[R], wb[R];
       for (int r = 0; r < R; ++r) {
-        if (R > 1) __builtin_prefetch(w + (r + R) * K + k, 0, Locality);
-        const __m512i q = _mm512_loadu_si512(w + r * K + k);
+        if (R > 1) __builtin_prefetch(w + r * stride + next + k, 0, Locality);
+        const __m512i q = _mm512_loadu_si512(w + r * stride + k);
         const __m512i mag = _mm512_abs_epi8(q);
         const __m512i lo = _mm512_permutex2var_epi8(lo_a, mag, lo_b);
         const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi_a, mag, hi_b), q, sign, 0xF8);
@@ -120,8 +124,8 @@ void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMa
     for (int a = 0; k + 32 <= K; k += 32, a = (a + 1) % kPhases) {  // 32 bf16 pairs per instruction
       __m512bh wv[R];
       for (int r = 0; r < R; ++r) {
-        if (R > 1) __builtin_prefetch(w + (r + R) * K + k, 0, Locality);
-        wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+        if (R > 1) __builtin_prefetch(w + r * stride + next + k, 0, Locality);
+        wv[r] = (__m512bh)_mm512_loadu_si512(w + r * stride + k);
       }
       for (int m = 0; m < MT; ++m) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k);
@@ -142,8 +146,8 @@ void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMa
         typename FloatVec::V wv[R];
         for (int r = 0; r < R; ++r) {
           if (R > 1 && (k * static_cast<int64_t>(sizeof(W))) % 64 == 0)
-            __builtin_prefetch(w + (r + R) * K + k, 0, Locality);
-          wv[r] = FloatVec::load(w + r * K + k);
+            __builtin_prefetch(w + r * stride + next + k, 0, Locality);
+          wv[r] = FloatVec::load(w + r * stride + k);
         }
         for (int m = 0; m < MT; ++m) {
           const typename FloatVec::V xv = FloatVec::load(x + m * x_stride + k);
@@ -164,41 +168,48 @@ void dot_rows(const X* x, int64_t x_stride, const W* w, int64_t K, float acc[kMa
   for (; k < K; ++k) {  // the tail (or, without AVX2 or AVX-512, everything: the compiler vectorizes it)
     const int64_t at = std::is_same_v<X, PairedBf16> ? paired_index(k, K) : k;
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < R; ++r) acc[m][r] += scalar_to_float(x[m * x_stride + at]) * scalar_to_float(w[r * K + k]);
+      for (int r = 0; r < R; ++r)
+        acc[m][r] += scalar_to_float(x[m * x_stride + at]) * scalar_to_float(w[r * stride + k]);
   }
 }
 
 template <typename X, typename W, int MT, int R, int Locality>
-void tile(const X* x, int64_t K, const W* w, int64_t n_begin, int64_t n_end, const float* scale,
+void tile(const X* x, int64_t K, const W* w, int64_t n_begin, int64_t n_end, bool parts, const float* scale,
           float* y, int64_t N) {
   // x: [MT, K]; y: [MT, N] float32 (this tile's rows of the output)
   float acc[kMaxTileM][kAcc];
-  int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) {
-    dot_rows<X, W, MT, R, Locality>(x, K, w + n * K, K, acc);
+  auto rows = [&](int64_t n, int64_t apart) {  // W rows n + r * apart for r < R
+    dot_rows<X, W, MT, R, Locality>(x, K, w + n * K, K, apart * K, apart == 1 ? R * K : K, acc);
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < R; ++r) y[m * N + n + r] = acc[m][r] * (scale ? scale[n + r] : 1.f);
+      for (int r = 0; r < R; ++r) y[m * N + n + r * apart] = acc[m][r] * (scale ? scale[n + r * apart] : 1.f);
+  };
+  int64_t n = n_begin;
+  if (parts && R > 1) {  // row i of each quarter together
+    const int64_t per = (n_end - n_begin) / R;
+    for (int64_t i = 0; i < per; ++i) rows(n_begin + i, per);
+    n += R * per;
   }
+  for (; n + R <= n_end; n += R) rows(n, 1);
   for (; n < n_end; ++n) {  // the last rows when R does not divide the range
-    dot_rows<X, W, MT, 1, Locality>(x, K, w + n * K, K, acc);
+    dot_rows<X, W, MT, 1, Locality>(x, K, w + n * K, K, K, K, acc);
     for (int m = 0; m < MT; ++m) y[m * N + n] = acc[m][0] * (scale ? scale[n] : 1.f);
   }
 }
 
 template <typename X, typename W, int R, int Locality>
-void run_tile(int64_t mt, const X* x, int64_t K, const W* w, int64_t n0, int64_t n1, const float* scale,
+void run_tile(int64_t mt, const X* x, int64_t K, const W* w, int64_t n0, int64_t n1, bool parts, const float* scale,
               float* y, int64_t N) {
   switch (mt) {
-    case 1: tile<X, W, 1, R, Locality>(x, K, w, n0, n1, scale, y, N); break;
-    case 2: tile<X, W, 2, R, Locality>(x, K, w, n0, n1, scale, y, N); break;
-    case 3: tile<X, W, 3, R, Locality>(x, K, w, n0, n1, scale, y, N); break;
-    default: tile<X, W, 4, R, Locality>(x, K, w, n0, n1, scale, y, N); break;
+    case 1: tile<X, W, 1, R, Locality>(x, K, w, n0, n1, parts, scale, y, N); break;
+    case 2: tile<X, W, 2, R, Locality>(x, K, w, n0, n1, parts, scale, y, N); break;
+    case 3: tile<X, W, 3, R, Locality>(x, K, w, n0, n1, parts, scale, y, N); break;
+    default: tile<X, W, 4, R, Locality>(x, K, w, n0, n1, parts, scale, y, N); break;
   }
 }
 
 template <typename X, typename W>
 void skinny(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale, float* y, int64_t rows,
-            bool non_temporal) {
+            bool non_temporal, bool parts) {
   // Each thread takes a contiguous range of W rows (whole groups of `rows`), so it streams its part
   // of W once for every tile of x rows; with M <= 4 that is exactly once.
   const int64_t groups = (N + rows - 1) / rows;
@@ -206,9 +217,10 @@ void skinny(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float
     const int64_t n0 = g0 * rows, n1 = std::min(N, g1 * rows);
     for (int64_t m = 0; m < M; m += kMaxTileM) {
       const int64_t mt = std::min(kMaxTileM, M - m);
-      if (rows == kAcc && non_temporal) run_tile<X, W, kAcc, 0>(mt, x + m * K, K, w, n0, n1, scale, y + m * N, N);
-      else if (rows == kAcc) run_tile<X, W, kAcc, 3>(mt, x + m * K, K, w, n0, n1, scale, y + m * N, N);
-      else run_tile<X, W, 1, 3>(mt, x + m * K, K, w, n0, n1, scale, y + m * N, N);
+      const X* xm = x + m * K;
+      if (rows == kAcc && non_temporal) run_tile<X, W, kAcc, 0>(mt, xm, K, w, n0, n1, parts, scale, y + m * N, N);
+      else if (rows == kAcc) run_tile<X, W, kAcc, 3>(mt, xm, K, w, n0, n1, parts, scale, y + m * N, N);
+      else run_tile<X, W, 1, 3>(mt, xm, K, w, n0, n1, false, scale, y + m * N, N);
     }
   });
 }
@@ -216,9 +228,10 @@ void skinny(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float
 }  // namespace
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                            const c10::optional<torch::Tensor>& bias, int64_t rows, bool non_temporal) {
+                            const c10::optional<torch::Tensor>& bias, int64_t rows, bool non_temporal, bool parts) {
   TORCH_CHECK(rows == 1 || rows == kAcc, "rows in flight must be 1 or ", kAcc);
   TORCH_CHECK(!non_temporal || rows == kAcc, "non_temporal names the prefetch of ", kAcc, " rows in flight");
+  TORCH_CHECK(!parts || rows == kAcc, "parts names ", kAcc, " rows in flight, one from each quarter");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
@@ -242,7 +255,7 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
       paired.narrow(1, 0, K64).view({M, K64 / 64, 2, 4, 8}).copy_(chunks.permute({0, 1, 3, 2, 4}));
     }
     skinny(reinterpret_cast<const PairedBf16*>(paired.data_ptr<at::BFloat16>()), M, K, w.data_ptr<int8_t>(), N, s,
-           y32.data_ptr<float>(), rows, non_temporal);
+           y32.data_ptr<float>(), rows, non_temporal, parts);
     if (bias.has_value()) y32.add_(bias->to(at::kFloat));
     return y32.to(x.scalar_type());
   }
@@ -251,7 +264,7 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
     torch::Tensor xc = x.contiguous();
     skinny(xc.data_ptr<at::BFloat16>(), M, K, w.data_ptr<at::BFloat16>(), N, s, y32.data_ptr<float>(), rows,
-           non_temporal);
+           non_temporal, parts);
     if (bias.has_value()) y32.add_(bias->to(at::kFloat));
     return y32.to(x.scalar_type());
   }
@@ -260,10 +273,10 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   const float* xf = x32.data_ptr<float>();
   float* yf = y32.data_ptr<float>();
   switch (w.scalar_type()) {
-    case at::kFloat: skinny(xf, M, K, w.data_ptr<float>(), N, s, yf, rows, non_temporal); break;
-    case at::kBFloat16: skinny(xf, M, K, w.data_ptr<at::BFloat16>(), N, s, yf, rows, non_temporal); break;
-    case at::kHalf: skinny(xf, M, K, w.data_ptr<at::Half>(), N, s, yf, rows, non_temporal); break;
-    case at::kChar: skinny(xf, M, K, w.data_ptr<int8_t>(), N, s, yf, rows, non_temporal); break;
+    case at::kFloat: skinny(xf, M, K, w.data_ptr<float>(), N, s, yf, rows, non_temporal, parts); break;
+    case at::kBFloat16: skinny(xf, M, K, w.data_ptr<at::BFloat16>(), N, s, yf, rows, non_temporal, parts); break;
+    case at::kHalf: skinny(xf, M, K, w.data_ptr<at::Half>(), N, s, yf, rows, non_temporal, parts); break;
+    case at::kChar: skinny(xf, M, K, w.data_ptr<int8_t>(), N, s, yf, rows, non_temporal, parts); break;
     default: TORCH_CHECK(false, "unsupported weight dtype ", w.scalar_type());
   }
   if (bias.has_value()) y32.add_(bias->to(at::kFloat));
