@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -203,6 +205,29 @@ def test_load_returns_none_and_says_why_when_compiling_fails(monkeypatch, caplog
             assert native_build.load() is None
         assert "native CPU kernels unavailable, using torch's (RuntimeError: Ninja is required" in caplog.text
     finally:
+        native_build.load.cache_clear()
+
+
+LOCK_WAIT_SECONDS = 120  # the build is there already (the `native` fixture): a load takes about a second
+
+
+def test_a_build_killed_midway_does_not_block_the_next_load(native, caplog):
+    # torch's file lock, as a build killed before it finished leaves it: load() would wait on it forever
+    stale = native_build.cache_root() / "kernels" / native_build.build_key() / "lock"
+    stale.touch()
+    native_build.load.cache_clear()
+    loaded = []
+    try:
+        with caplog.at_level("WARNING"):
+            # on a thread, so a load that waits on the lock fails the test instead of hanging it
+            loader = threading.Thread(target=lambda: loaded.append(native_build.load()), daemon=True)
+            loader.start()
+            loader.join(timeout=LOCK_WAIT_SECONDS)
+        assert loaded and loaded[0] is not None, "load() still waits on the killed build's lock"
+        assert f"removing {stale}, left by a native kernel build that was killed" in caplog.text
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
         native_build.load.cache_clear()
 
 

@@ -10,11 +10,14 @@ compiled (no compiler, no ninja) the engine keeps torch's kernels, saying so in 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -82,6 +85,21 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+@contextmanager
+def _builder(build_dir: Path) -> Iterator[None]:
+    """Holds build_dir's lock: one process at a time builds or loads there. torch's own lock is a file
+    (`lock`) that a killed build leaves behind, and every later load would wait on it forever; this one
+    is an flock, released by the OS when its holder dies, so a `lock` file found while holding it is
+    left over from a build that died, and is removed."""
+    with open(build_dir / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a native kernel build that was killed", stale)
+            stale.unlink()
+        yield
+
+
 @cache
 def load() -> ModuleType | None:
     """The compiled module (`skinny_linear`, `paged_decode_attention`), or None where it cannot be had."""
@@ -99,10 +117,11 @@ def load() -> ModuleType | None:
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     here = Path(__file__).parent
-    try:  # torch's own lock in build_dir makes concurrent first starts wait for one build
-        return cpp_extension.load(name=f"pdserve_kernels_{key}", sources=[str(here / s) for s in SOURCES],
-                                  extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-                                  build_directory=str(build_dir), verbose=False)
+    try:
+        with _builder(build_dir):  # concurrent first starts wait for one build
+            return cpp_extension.load(name=f"pdserve_kernels_{key}", sources=[str(here / s) for s in SOURCES],
+                                      extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                                      build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a compiler error: torch's kernels still work
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         log.warning("native CPU kernels unavailable, using torch's (%s: %s)", type(exc).__name__, first_line[:200])

@@ -110,8 +110,8 @@ auto with_prefetch_locality(bool non_temporal, F&& f) {
 // each thread streams its W rows once for every 4 rows of x, as `streams` parts: for one x row (a decode step's
 // batch of 1) a row of each part is read together, their streams interleaved cache line by cache line; for
 // several, a row of each part in turn. The CPU's prefetchers follow each part as its own stream and DRAM serves
-// them from different pages at once: on an AMD EPYC Zen 2 (2 threads, a cycle of 16384 x 2048 int8 weights) 4
-// parts read together streamed 33-35 GB/s against 23-24 for one part or 4 in turn; on a Zen 3, 4 parts in turn
+// them from different pages at once: on an AMD EPYC Zen 2 (2 threads, a cycle of distinct int8 weights, one x
+// row) 4 parts read together streamed 28-31 GB/s against 21-26 for one part or 4 in turn; on a Zen 3, 4 parts in turn
 // read ~1.17x faster than 1 (int4's kernel, bound by its arithmetic there, ~0.75x): the kernel plan times both
 // (docs/kernels.md).
 constexpr int64_t kMaxParts = 4;
