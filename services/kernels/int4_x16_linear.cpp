@@ -61,22 +61,22 @@ std::vector<float> lane_scales(const std::vector<float>& xscale, int64_t M, int6
   return lanes;
 }
 
-// acc[m * R + r] = sum_b (lanes of) scale pattern * xscale * (q . xq) for MT rows of x against R W rows, each
-// row's packed bytes `stride` bytes and its group scales `stride / 16` entries after the last (R > 1 only with
-// MT = 1: the registers hold MT x R x 2 accumulators); the offsets are added by the caller. sc: the first row's
-// group scales [groups], read as float16 pairs (two per block). Each row's arithmetic is the same for any R.
+// acc[m * R + r] = sum_b (lanes of) scale pattern * xscale * (q . xq) for MT rows of x against R W rows, `apart`
+// rows from one to the next (R > 1 only with MT = 1: the registers hold MT x R x 2 accumulators); the offsets are
+// added by the caller. packed, sc: the first row's bytes [Kp / 2] and group scales [groups], read as float16 pairs
+// (two per block). Each row's arithmetic is the same for any R.
 template <int MT, int R, int Locality>
 void dot_rows(const int16_t* xq, const float* xscale, int64_t Kp, const uint8_t* packed, const at::Half* sc,
-              int64_t stride, float* acc) {
+              int64_t apart, float* acc) {
   static_assert(MT == 1 || R == 1, "several W rows at once for one x row only");
-  const int64_t blocks = Kp / kBlock, scale_stride = stride / (kGroup / 2);
+  const int64_t blocks = Kp / kBlock, row_bytes = Kp / 2, groups = Kp / kGroup;
   const __m256i mask = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   __m256 vacc[MT][R][2];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) vacc[m][r][0] = vacc[m][r][1] = _mm256_setzero_ps();
   auto block = [&](int64_t b, int a) __attribute__((always_inline)) {
     for (int r = 0; r < R; ++r) {
-      const uint8_t* row = packed + r * stride + b * 32;
+      const uint8_t* row = packed + r * apart * row_bytes + b * 32;
       // a cache line per two blocks, kPrefetchBytes ahead in all (x16_groups.h: each of R streams a 1 / R of
       // it), into the caches or past them (Locality 0)
       if ((b & 1) == 0) __builtin_prefetch(row + kPrefetchBytes / R, 0, Locality);
@@ -85,7 +85,7 @@ void dot_rows(const int16_t* xq, const float* xscale, int64_t Kp, const uint8_t*
       const __m256i q[4] = {_mm256_unpacklo_epi8(low, zero), _mm256_unpackhi_epi8(low, zero),
                             _mm256_unpacklo_epi8(high, zero), _mm256_unpackhi_epi8(high, zero)};
       int32_t bits;  // the block's two group scales (float16), broadcast as a b a b ...
-      std::memcpy(&bits, sc + r * scale_stride + 2 * b, sizeof bits);
+      std::memcpy(&bits, sc + r * apart * groups + 2 * b, sizeof bits);
       const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
       const __m256 s = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(pair)));
       for (int m = 0; m < MT; ++m) {
@@ -134,13 +134,13 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();
   return with_prefetch_locality(non_temporal, [&](auto locality) {
-    auto rows = [&](auto tile, auto parts, int64_t m, int64_t n, int64_t stride, float* acc) {
+    auto rows = [&](auto tile, auto parts, int64_t m, int64_t n, int64_t apart, float* acc) {
       constexpr int MT = decltype(tile)::value, R = decltype(parts)::value;
       dot_rows<MT, R, decltype(locality)::value>(r.xq.data() + m * Kp, xlanes.data() + m * (Kp / kBlock) * 8, Kp,
-                                                 q + n * Kp / 2, s + n * groups, stride * Kp / 2, acc);
+                                                 q + n * Kp / 2, s + n * groups, apart, acc);
       for (int i = 0; i < MT; ++i)
         for (int j = 0; j < R; ++j)
-          acc[i * R + j] += offsets(lo + (n + j * stride) * groups, r.xsum.data() + (m + i) * groups, groups);
+          acc[i * R + j] += offsets(lo + (n + j * apart) * groups, r.xsum.data() + (m + i) * groups, groups);
     };
     return x16_product(x, N, bias, streams, rows);
   });

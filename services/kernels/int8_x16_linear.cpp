@@ -31,11 +31,11 @@ namespace {
 constexpr int64_t kGroup = 32;
 
 // acc[m * R + r] = sum_g xscale[m, g] * (w_r,g . xq_m,g) for MT rows of x (xq [*, Kp], xscale [*, groups])
-// against R W rows of K int8, `stride` bytes apart (R > 1 only with MT = 1: the registers hold MT x R x 2
-// accumulators); the last group, when K is not whole groups, in scalar code: the row ends there. Each row's
-// arithmetic is the same for any R, so its result is bit-identical.
+// against R W rows of K int8, `apart` rows from one to the next (R > 1 only with MT = 1: the registers hold
+// MT x R x 2 accumulators); the last group, when K is not whole groups, in scalar code: the row ends there. Each
+// row's arithmetic is the same for any R, so its result is bit-identical.
 template <int MT, int R, int Locality>
-void dot_rows(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w, int64_t stride, int64_t K,
+void dot_rows(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* w, int64_t apart, int64_t K,
               float* acc) {
   static_assert(MT == 1 || R == 1, "several W rows at once for one x row only");
   const int64_t groups = Kp / kGroup, whole = K / kGroup;
@@ -45,7 +45,7 @@ void dot_rows(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* 
   auto group = [&](int64_t g, int a) __attribute__((always_inline)) {
     __m256i w0[R], w1[R];
     for (int r = 0; r < R; ++r) {
-      const int8_t* wg = w + r * stride + g * kGroup;
+      const int8_t* wg = w + r * apart * K + g * kGroup;
       // a cache line per two groups, kPrefetchBytes ahead in all (x16_groups.h: each of R streams a 1 / R of
       // it), into the caches or past them (Locality 0)
       if ((g & 1) == 0) __builtin_prefetch(wg + kPrefetchBytes / R, 0, Locality);
@@ -73,7 +73,7 @@ void dot_rows(const int16_t* xq, const float* xscale, int64_t Kp, const int8_t* 
       float total = sum8(_mm256_add_ps(vacc[m][r][0], vacc[m][r][1]));
       if (whole < groups) {  // the last, partial group: xq is 0 past K
         int64_t dot = 0;
-        for (int64_t k = whole * kGroup; k < K; ++k) dot += w[r * stride + k] * xq[m * Kp + k];
+        for (int64_t k = whole * kGroup; k < K; ++k) dot += w[r * apart * K + k] * xq[m * Kp + k];
         total += xscale[m * groups + whole] * static_cast<float>(dot);
       }
       acc[m * R + r] = total;
@@ -95,12 +95,12 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
   const int8_t* wv = w.data_ptr<int8_t>();
   const float* sv = scale.data_ptr<float>();
   return with_prefetch_locality(non_temporal, [&](auto locality) {
-    auto rows = [&](auto tile, auto parts, int64_t m, int64_t n, int64_t stride, float* acc) {
+    auto rows = [&](auto tile, auto parts, int64_t m, int64_t n, int64_t apart, float* acc) {
       constexpr int MT = decltype(tile)::value, R = decltype(parts)::value;
       dot_rows<MT, R, decltype(locality)::value>(r.xq.data() + m * Kp, r.xscale.data() + m * groups, Kp, wv + n * K,
-                                                 stride * K, K, acc);
+                                                 apart, K, acc);
       for (int i = 0; i < MT; ++i)
-        for (int j = 0; j < R; ++j) acc[i * R + j] *= sv[n + j * stride];
+        for (int j = 0; j < R; ++j) acc[i * R + j] *= sv[n + j * apart];
     };
     return x16_product(x, N, bias, streams, rows);
   });

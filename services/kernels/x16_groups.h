@@ -104,8 +104,8 @@ auto with_prefetch_locality(bool non_temporal, F&& f) {
 }
 
 // y [M, N] in x's dtype (bias [N] added, each value rounded once) of a kernel whose
-// rows(tile, parts, m, n, stride, acc) puts into acc[i * R + r] the float32 result of x row m + i against W row
-// n + r * stride, for i < MT = decltype(tile)::value (1..4) and r < R = decltype(parts)::value (1..kMaxParts; R > 1
+// rows(tile, parts, m, n, apart, acc) puts into acc[i * R + r] the float32 result of x row m + i against W row
+// n + r * apart, for i < MT = decltype(tile)::value (1..4) and r < R = decltype(parts)::value (1..kMaxParts; R > 1
 // only with MT = 1): compile-time constants, the kernels keep MT x R accumulators in registers. Threads split N;
 // each thread streams its W rows once for every 4 rows of x, as `streams` parts: for one x row (a decode step's
 // batch of 1) a row of each part is read together, their streams interleaved cache line by cache line; for
