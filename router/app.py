@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import completions
+from router import completions, daemon_thread
 from router.boundary import BoundaryMiddleware
 from router.choice_runner import refuse_past_deadline
 from router.cpu_pool import CPUPool
@@ -168,26 +166,8 @@ LOOKUP_SECONDS = 10.0  # the longest the poller waits on the control store's lis
 
 
 async def on_daemon_thread(fn: Callable[[], T]) -> T:
-    """fn() on a daemon thread of its own, awaited. For blocking Ray calls: one stuck on a control store that
-    went away (its raylet killed with the router's process group) froze the event loop when made on it — every
-    request, and uvicorn's own shutdown on SIGTERM — and an executor's thread would hold the process's exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not future.done():  # not given up on (wait_for's timeout cancels it)
-            outcome()
-
-    def run() -> None:
-        try:
-            outcome = partial(future.set_result, fn())
-        except BaseException as error:  # handed to the awaiting task
-            outcome = partial(future.set_exception, error)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(settle, outcome)
-
-    threading.Thread(target=run, name="pdserve-lookup", daemon=True).start()
-    return await future
+    """fn() on a daemon thread of its own, awaited (router/daemon_thread.py: for blocking Ray calls)."""
+    return await asyncio.wrap_future(daemon_thread.on_daemon_thread(fn))
 
 
 async def _poll_workers(state: RouterState) -> None:

@@ -171,19 +171,10 @@ def serve(spec: ClusterSpec, model_name: str, host: str, port: int, address: str
 def _all_workers(namespace: str, timeout: float = 10.0) -> list:
     """Every named worker of the deployment, or [] when the cluster does not answer in time (the
     lookup runs on a daemon thread, which a stuck call cannot keep from exiting)."""
-    import threading
-
+    from router.daemon_thread import on_daemon_thread
     from router.worker_pool import named_workers
 
-    found: list = []
-
-    def look() -> None:
-        try:
-            found.extend(named_workers(namespace).values())
-        except Exception:  # the cluster going away
-            pass
-
-    thread = threading.Thread(target=look, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return [] if thread.is_alive() else found
+    try:
+        return list(on_daemon_thread(lambda: named_workers(namespace)).result(timeout).values())
+    except Exception:  # the cluster going away, or not answering in time
+        return []
