@@ -152,3 +152,20 @@ def test_cli_quantization_per_role(tiny_path):
     assert spec.options_for("decode") == {"quantization": "int8"}
     with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8 or None"):
         ClusterSpec(model=str(tiny_path), role_engine_options={"decode": {"quantization": "int2"}})
+
+
+def test_the_shutdown_lookup_gives_up_on_a_stuck_or_failing_control_store(monkeypatch):
+    # `pdserve serve --address` stops every named worker it finds; a control store that hangs or fails must
+    # neither hold the shutdown nor fail it
+    import threading
+
+    from router import launcher, worker_pool
+
+    never = threading.Event()
+    monkeypatch.setattr(worker_pool, "named_workers", lambda namespace: {"decode-0": "actor"})
+    assert launcher._all_workers("ns", timeout=5) == ["actor"]
+    monkeypatch.setattr(worker_pool, "named_workers", lambda namespace: never.wait())
+    assert launcher._all_workers("ns", timeout=0.2) == []
+    monkeypatch.setattr(worker_pool, "named_workers", lambda namespace: 1 / 0)
+    assert launcher._all_workers("ns", timeout=5) == []
+    never.set()
