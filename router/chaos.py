@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> None:
     # Ray's files, and the address file `--address auto` reads, in a folder of its own: this cluster
     # is nobody else's latest (a short path: Ray's socket paths live under it).
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="pdchaos", dir="/tmp")
+    # Every process of this cluster records where each object reference was made: the listing of
+    # objects left in the store (below) then names the line that made each one.
+    os.environ.setdefault("RAY_record_ref_creation_sites", "1")
     if "RAY_AUTH_MODE" not in os.environ:  # this cluster's own token, inherited by every process of it
         from ray._raylet import AuthenticationTokenLoader, Config
 
