@@ -80,6 +80,11 @@ def test_native_int4_linear_is_the_dequantized_product(native, kernel, dtype, ro
     weights = weight.dequantize(dtype if kernel == "int4_tiled_linear" else torch.float32).float()
     want = F.linear(x.float(), weights, bias.float())
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+    if kernel == "int4_linear":  # each thread's rows read as parts (together for one x row, else in turn),
+        for streams in (1, 2, 3, 4):  # prefetched past the caches or not: every output computed as before
+            for non_temporal in (False, True):
+                again = native.int4_linear(x, weight.packed, weight.scale, weight.low, bias, streams, non_temporal)
+                assert torch.equal(again, got), (streams, non_temporal)
 
 
 def x16_reference(x: torch.Tensor, weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +165,8 @@ def test_every_int4_candidate_computes_the_same_product(rows, in_features):
     assert ("native.tiled" in found) == (load() is not None and 1 < rows <= 64)
     assert ("dequant.tiled" in found) == (rows > 1 and hasattr(load(), "tiled_linear"))
     assert ("native.x16" in found) == (hasattr(load(), "int4_x16_linear") and rows <= 64)
+    parts = rows <= 64 and getattr(load(), "int4_linear_reads_parts", False)  # AVX512-BF16 builds
+    assert {"native.4streams", "native.nt", "native.4streams.nt"} <= set(found) if parts else "native.nt" not in found
     assert ("dequant.float32.onednn" in found) == (rows > 1 and ONEDNN_PACKS.supported(torch.float32))
     want = F.linear(x.float(), weight.dequantize(torch.float32), bias.float())
     for name, fn in found.items():

@@ -9,7 +9,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
                                 int64_t context_len, int64_t block_size, double scale);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
+                          const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                          bool non_temporal);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -30,7 +31,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]), few rows of x",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("rows") = 1,
         py::arg("non_temporal") = false, py::arg("parts") = false);
-  m.def("int4_linear", &int4_linear, "y[M, N] = x[M, K] @ W^T (+ bias[N]), W group-wise int4 (int4_weight.py)");
+  m.def("int4_linear", &int4_linear,
+        "y[M, N] = x[M, K] @ W^T (+ bias[N]), W group-wise int4 (int4_weight.py); with bf16 x on AVX512-BF16 CPUs "
+        "each thread reads its W rows as `streams` (1-4) parts, prefetched into the caches or past them (non_temporal)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("bias"), py::arg("streams") = 1,
+        py::arg("non_temporal") = false);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  m.attr("int4_linear_reads_parts") = true;  // the kernel plan times its streams and prefetch variants
+#else
+  m.attr("int4_linear_reads_parts") = false;
+#endif
   m.def("int4_tiled_linear", &int4_tiled_linear, "int4_linear for several rows: W dequantized 16 rows at a time");
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("int4_x16_linear", &int4_x16_linear,

@@ -1,5 +1,5 @@
-// Group-wise int4 weights (services/int4_weight.py): y = x @ W^T (+ bias) for decode, and W itself
-// dequantized for prefill's dense product.
+// Group-wise int4 weights (services/int4_weight.py): y = x @ W^T (+ bias) for decode (W dequantized whole for
+// prefill: int4_dequantize.cpp).
 //
 // Legend: M rows of x, K input features, Kp = K padded to whole 64-column blocks, N output
 // features, G = 32 columns per group, B = Kp / 64 blocks per row.
@@ -18,7 +18,10 @@
 // sum_g scale_g * dot(x_g, 128 + q_g) + sum_g (low_g - 128 scale_g) * sum(x_g). The words are ordered
 // so that the even lanes of vdpbf16ps sum the block's first group and the odd lanes its second: two
 // vdpbf16ps and one FMA (by the two scales, alternating) per 64 weights, plus one short dot per row;
-// x is put in the same order once per call. Threads split N.
+// x is put in the same order once per call. Threads split N, and each reads its rows as `streams` parts
+// (x16_groups.h's x16_product: a row of each part together for one x row), prefetched into the caches or past
+// them: one stream per thread left this kernel at 40 GB/s from memory on an AMD EPYC Zen 5 against 67 from the
+// caches; 4 parts read 42-48 (docs/kernels.md). On AVX2 CPUs (the float32 loop below) `streams` changes nothing.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "int4_block.h"
+#include "x16_groups.h"
 #include "vec_load.h"
 
 namespace {
@@ -37,58 +41,62 @@ using namespace int4;
 constexpr int64_t kTile = 4;  // x rows per pass over W
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// acc[m] = dot(x[m, :Kp], W row) for MT rows of x (bf16, zero past K), xsum[m]: [Kp / G] group sums.
-template <int MT>
-void dot_row(const at::BFloat16* x, int64_t Kp, const uint8_t* packed, const float* sc, const float* lo,
-             const float* xsum, float* acc) {
-  __m512 vacc[MT][4];
+// acc[m * R + r] = dot(x[m, :Kp], W row r) for MT rows of x (bf16 in block_slot's order, zero past K) and R W rows
+// `apart` rows from one to the next (R > 1 only with MT = 1), xsum [MT, Kp / G]: x's group sums. packed, sc, lo:
+// the first row's bytes [Kp / 2] and group parameters [Kp / G] (float16, converted as they are read). Each row's
+// arithmetic is the same for any R.
+template <int MT, int R, int Locality>
+void dot_rows(const at::BFloat16* x, int64_t Kp, const uint8_t* packed, const at::Half* sc, const at::Half* lo,
+              const float* xsum, int64_t apart, float* acc) {
+  static_assert(MT == 1 || R == 1, "several W rows at once for one x row only");
+  constexpr int kChains = 4;  // accumulators per (x row, W row), for any R: the dot and FMA latencies hidden
+  const int64_t blocks = Kp / kBlock, row_bytes = Kp / 2, groups = Kp / kGroup;
+  __m512 vacc[MT][R][kChains];
   for (int m = 0; m < MT; ++m)
-    for (int a = 0; a < 4; ++a) vacc[m][a] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < kChains; ++a) vacc[m][r][a] = _mm512_setzero_ps();
   // Block b into accumulator a (fixed at compile time: indexed at run time they live in memory). x is in
   // block_slot's order: per block, register 0's 32 words, then register 1's.
   auto block = [&](int64_t b, int a) __attribute__((always_inline)) {
-    __m512i wa, wb;
-    block_words(packed, b, wa, wb);
-    double pair;  // the block's two group scales, broadcast as a, b, a, b, ...
-    std::memcpy(&pair, sc + 2 * b, sizeof pair);
-    const __m512 s = _mm512_castpd_ps(_mm512_set1_pd(pair));
-    for (int m = 0; m < MT; ++m) {
-      const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + m * Kp + b * kBlock);
-      const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + m * Kp + b * kBlock + 32);
-      const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xa, (__m512bh)wa), xb, (__m512bh)wb);
-      vacc[m][a] = _mm512_fmadd_ps(dot, s, vacc[m][a]);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* row = packed + r * apart * row_bytes;
+      if ((b & 1) == 0) __builtin_prefetch(row + b * 32 + kPrefetchBytes / R, 0, Locality);
+      __m512i wa, wb;
+      block_words(row, b, wa, wb);
+      int32_t bits;  // the block's two group scales (float16), broadcast as a, b, a, b, ...
+      std::memcpy(&bits, sc + r * apart * groups + 2 * b, sizeof bits);
+      const __m512 s = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_castps_pd(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))));
+      for (int m = 0; m < MT; ++m) {
+        const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + m * Kp + b * kBlock);
+        const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + m * Kp + b * kBlock + 32);
+        const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xa, (__m512bh)wa), xb, (__m512bh)wb);
+        vacc[m][r][a] = _mm512_fmadd_ps(dot, s, vacc[m][r][a]);
+      }
     }
   };
-  const int64_t blocks = Kp / kBlock;
   int64_t b = 0;
-  for (; b + 4 <= blocks; b += 4) {  // four blocks' chains in flight: the dot and FMA latencies are hidden
-    block(b, 0);
-    block(b + 1, 1);
-    block(b + 2, 2);
-    block(b + 3, 3);
-  }
+  for (; b + kChains <= blocks; b += kChains)  // kChains blocks' chains in flight
+    for (int a = 0; a < kChains; ++a) block(b + a, a);
   for (; b < blocks; ++b) block(b, 0);
-  const int64_t groups = Kp / kGroup;
-  for (int m = 0; m < MT; ++m) {
-    __m512 sum = _mm512_add_ps(_mm512_add_ps(vacc[m][0], vacc[m][1]), _mm512_add_ps(vacc[m][2], vacc[m][3]));
-    int64_t g = 0;
-    for (; g + 16 <= groups; g += 16) {  // the offsets low - 128 * scale, times the group sums of x
-      const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), _mm512_loadu_ps(sc + g), _mm512_loadu_ps(lo + g));
-      sum = _mm512_fmadd_ps(off, _mm512_loadu_ps(xsum + m * groups + g), sum);
+  for (int r = 0; r < R; ++r) {
+    const at::Half* rs = sc + r * apart * groups;
+    const at::Half* rl = lo + r * apart * groups;
+    for (int m = 0; m < MT; ++m) {
+      __m512 sum = vacc[m][r][0];
+      for (int a = 1; a < kChains; ++a) sum = _mm512_add_ps(sum, vacc[m][r][a]);
+      int64_t g = 0;
+      for (; g + 16 <= groups; g += 16) {  // the offsets low - 128 * scale, times the group sums of x
+        const __m512 gs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs + g)));
+        const __m512 gl = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rl + g)));
+        sum = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.f), gs, gl), _mm512_loadu_ps(xsum + m * groups + g), sum);
+      }
+      float total = _mm512_reduce_add_ps(sum);
+      for (; g < groups; ++g)
+        total += (static_cast<float>(rl[g]) - 128.f * static_cast<float>(rs[g])) * xsum[m * groups + g];
+      acc[m * R + r] = total;
     }
-    float total = _mm512_reduce_add_ps(sum);
-    for (; g < groups; ++g) total += (lo[g] - 128.f * sc[g]) * xsum[m * groups + g];
-    acc[m] = total;
   }
 }
-
-struct Bf16Blocks {  // for product(): bf16 x in block_slot's order
-  template <int MT>
-  static void row(const at::BFloat16* x, int64_t Kp, const uint8_t* packed, const float* sc, const float* lo,
-                  const float* xsum, float* acc) {
-    dot_row<MT>(x, Kp, packed, sc, lo, xsum, acc);
-  }
-};
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
@@ -186,7 +194,8 @@ void product(const X* x, const float* xsum, int64_t M, int64_t Kp, const uint8_t
 }  // namespace
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const torch::Tensor& low, const c10::optional<torch::Tensor>& bias) {
+                          const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                          bool non_temporal) {
   const Int4Args w = check_product(x, packed, scale, low);
   const int64_t M = x.size(0), K = x.size(1), N = w.N, Kp = w.Kp, groups = w.groups;
   const uint8_t* q = packed.data_ptr<uint8_t>();
@@ -208,9 +217,15 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
       return o;
     }();
     xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, order_tensor(order)).contiguous();  // [M, Kp / 64, 64]
-    product<Bf16Blocks>(xp.data_ptr<at::BFloat16>(), xsum.data_ptr<float>(), M, Kp, q, s, lo, y, N);
-    if (bias.has_value()) y32.add_(bias->to(at::kFloat));
-    return y32.to(x.scalar_type());
+    const at::BFloat16* xv = xp.data_ptr<at::BFloat16>();
+    const float* xs = xsum.data_ptr<float>();
+    return with_prefetch_locality(non_temporal, [&](auto locality) {
+      auto rows = [&](auto tile, auto parts, int64_t m, int64_t n, int64_t apart, float* acc) {
+        dot_rows<decltype(tile)::value, decltype(parts)::value, decltype(locality)::value>(
+            xv + m * Kp, Kp, q + n * Kp / 2, s + n * groups, lo + n * groups, xs + m * groups, apart, acc);
+      };
+      return x16_product(x, N, bias, streams, rows);
+    });
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
@@ -251,36 +266,4 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   });
   if (bias.has_value()) y32.add_(bias->to(at::kFloat));
   return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
-}
-
-torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
-                              torch::Tensor out) {
-  // -> out [N, in_features] (float32 / bfloat16 / float16), for a dense product over many rows (prefill).
-  // The caller's buffer, reused: a fresh 64 MB result is a fresh mapping whose pages fault in (dequant_buffer.py)
-  const Int4Args w = check(packed, scale, low);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.device().is_cpu() && out.size(0) == w.N,
-              "out must be a contiguous CPU [N, in_features] tensor");
-  const int64_t in_features = out.size(1);
-  const at::ScalarType dtype = out.scalar_type();
-  TORCH_CHECK(in_features <= w.Kp && in_features > w.Kp - kBlock, "in_features must lie in the last 64-column block");
-  const uint8_t* q = packed.data_ptr<uint8_t>();
-  const at::Half* s = scale.data_ptr<at::Half>();
-  const at::Half* lo = low.data_ptr<at::Half>();
-  auto run = [&](auto* o) {
-    at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-      std::vector<float> sc(w.groups), lw(w.groups), row(w.Kp);
-      for (int64_t n = n0; n < n1; ++n) {
-        row_params(s + n * w.groups, lo + n * w.groups, w.groups, sc.data(), lw.data());
-        dequantize_row(q + n * w.Kp / 2, sc.data(), lw.data(), w.Kp, row.data());
-        store_row(row.data(), o + n * in_features, in_features);
-      }
-    });
-  };
-  switch (dtype) {
-    case at::kFloat: run(out.data_ptr<float>()); break;
-    case at::kBFloat16: run(out.data_ptr<at::BFloat16>()); break;
-    case at::kHalf: run(out.data_ptr<at::Half>()); break;
-    default: TORCH_CHECK(false, "int4 dequantizes to float32, bfloat16 or float16, not ", dtype);
-  }
-  return out;
 }

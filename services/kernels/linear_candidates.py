@@ -162,8 +162,8 @@ X16_STREAMS = 4
 X16_VARIANTS = ((1, False), (X16_STREAMS, False), (1, True), (X16_STREAMS, True))
 
 
-def _x16_name(streams: int, non_temporal: bool) -> str:
-    return "native.x16" + (f".{streams}streams" if streams > 1 else "") + (".nt" if non_temporal else "")
+def _parts_name(kernel: str, streams: int, non_temporal: bool) -> str:
+    return kernel + (f".{streams}streams" if streams > 1 else "") + (".nt" if non_temporal else "")
 
 
 def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None,
@@ -184,10 +184,12 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and in_features % 64 == 0 and max_rows <= 64:  # torch's wants whole groups, unpadded
             found["torch.int4pack"] = _int4_pack_mm
         if on_cpu and native is not None and max_rows <= 64:
-            found["native"] = _native_int4(native.int4_linear)  # streams W, converts per row
+            # streams W, converts per row; with AVX512-BF16 its rows read as parts, prefetched as the x16 kernels'
+            for streams, nt in X16_VARIANTS if getattr(native, "int4_linear_reads_parts", False) else ((1, False),):
+                found[_parts_name("native", streams, nt)] = _native_int4(native.int4_linear, streams, nt)
             if hasattr(native, "int4_x16_linear"):  # built on AVX2 CPUs: x as int16 per group, integer dots
                 for streams, nt in X16_VARIANTS:
-                    found[_x16_name(streams, nt)] = _native_int4(native.int4_x16_linear, streams, nt)
+                    found[_parts_name("native.x16", streams, nt)] = _native_int4(native.int4_x16_linear, streams, nt)
             if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
                 found["native.tiled"] = _native_int4(native.int4_tiled_linear)
         if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
@@ -213,7 +215,7 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and native is not None and max_rows <= 64 and hasattr(native, "int8_x16_linear"):
             # built on AVX2 CPUs: x as int16 per 32-column group, integer multiply-adds (int4's likewise)
             for streams, nt in X16_VARIANTS:
-                found[_x16_name(streams, nt)] = _native_int8_x16(native.int8_x16_linear, streams, nt)
+                found[_parts_name("native.x16", streams, nt)] = _native_int8_x16(native.int8_x16_linear, streams, nt)
     else:
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:

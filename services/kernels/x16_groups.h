@@ -113,7 +113,7 @@ auto with_prefetch_locality(bool non_temporal, F&& f) {
 // them from different pages at once: on an AMD EPYC Zen 2 (2 threads, a cycle of distinct int8 weights, one x
 // row) 4 parts read together streamed 28-31 GB/s against 21-26 for one part or 4 in turn; on a Zen 3, 4 parts in turn
 // read ~1.17x faster than 1 (int4's kernel, bound by its arithmetic there, ~0.75x): the kernel plan times both
-// (docs/kernels.md).
+// (docs/kernels.md). int4_linear.cpp's AVX512-BF16 loop (bf16 x, not int16) reads its rows through it too.
 constexpr int64_t kMaxParts = 4;
 
 template <typename Rows>
