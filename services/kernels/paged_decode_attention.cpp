@@ -21,25 +21,15 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "decode_blocks.h"
+#include "decode_runs.h"
 #include "softmax_math.h"
 #include "vec_load.h"
 
 namespace {
-
-#if defined(__AVX512F__)
-// The four horizontal sums of v0..v3 at once (in lanes 0..3): one shuffle tree instead of four.
-inline __m128 reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
-  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));  // v0 v1 v0 v1 per lane
-  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
-  const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));  // v0 v1 v2 v3
-  const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0x4E));  // fold the 128-bit lanes
-  const __m512 e = _mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, 0xB1));
-  return _mm512_castps512_ps128(e);
-}
-#endif
 
 // scores [T, Q] (token-major: a token's Q scores are adjacent) -> exp(score - maxes[h]), summed per
 // head into sums [Q]. Token-major because head-major rows of T floats sit a power of two apart and
@@ -115,50 +105,36 @@ inline void for_each_token(const T* base, const int64_t* table, int64_t T_len, i
   }
 }
 
-#if defined(__AVX512F__)
-// out[h] = qf[h] . k for the G query heads (rows of qf [G, Dh]) sharing one key row k [Dh].
-template <typename T>
-inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, float* out, float* maxes) {
-  __m512 kv[16];  // the key row as float32, loaded once for the G heads
-  for (int64_t d = 0; d < Dh / 16; ++d) kv[d] = load16(k + 16 * d);
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) {  // four heads' dot products, summed by one shuffle tree
-    __m512 v[4];
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm512_mul_ps(_mm512_loadu_ps(qf + (g + j) * Dh), kv[0]);
-      for (int64_t d = 1; d < Dh / 16; ++d) v[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (g + j) * Dh + 16 * d), kv[d], v[j]);
-    }
-    alignas(16) float sums4[4];
-    _mm_store_ps(sums4, reduce4(v[0], v[1], v[2], v[3]));
-    for (int j = 0; j < 4; ++j) {
-      out[g + j] = sums4[j];
-      maxes[g + j] = std::max(maxes[g + j], sums4[j]);
-    }
-  }
-  for (; g < G; ++g) {
-    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(qf + g * Dh), kv[0]);
-    for (int64_t d = 1; d < Dh / 16; ++d) v = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * Dh + 16 * d), kv[d], v);
-    out[g] = _mm512_reduce_add_ps(v);
-    maxes[g] = std::max(maxes[g], out[g]);
-  }
-}
-#endif
-
 // One task: a sequence's kv heads kh0 .. kh0 + nkh - 1 and their query heads (Q = nkh * G, in order).
-// qf: [Q, Dh] float32, pre-scaled; scores: [T, Q]; acc: [Q, Dh]. Taking several adjacent heads
-// per task reads each token's row of the pool as one contiguous run.
+// qf: [Q, Dh] float32, pre-scaled; q: [Q, Dh] the same heads as given, unscaled (a bf16 pool on an AVX512-BF16 CPU
+// is scored from them, decode_runs.h); scores: [T, Q]; acc: [Q, Dh]. Taking several adjacent heads per task reads
+// each token's row of the pool as one contiguous run.
 template <typename T>
-void attend_task(const float* qf, const T* keys, const T* values, const int64_t* table, int64_t T_len, int64_t K,
-                 int64_t kh0, int64_t nkh, int64_t G, int64_t Dh, int64_t block_size, float* scores, float* acc) {
+void attend_task(const float* qf, const T* q, float scale, const T* keys, const T* values, const int64_t* table,
+                 int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G, int64_t Dh, int64_t block_size,
+                 float* scores, float* acc) {
   const int64_t Q = nkh * G;
   std::vector<float> maxes(Q, -std::numeric_limits<float>::infinity());
+  int64_t scored = 0, weighed = 0;  // tokens whose scores are in, whose values are weighed in
   [[maybe_unused]] const bool vectorized = Dh % 16 == 0 && Dh <= 256;  // (AVX-512; AVX2 takes decode_blocks.h)
-  for_each_token(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (decode_runs::scores_in_pairs(Dh)) {
+      decode_runs::for_each_run(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
+                                [&](int64_t t0, const T* first, int64_t n) {
+                                  decode_runs::score(q, first, K * Dh, n, nkh, G, Dh, scale, scores + t0 * Q, Q,
+                                                     maxes.data());
+                                });
+      scored = T_len;
+    }
+  }
+#endif
+  for_each_token(keys, table, T_len - scored, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nkh; ++j) {
       const T* k = row + j * Dh;
 #if defined(__AVX512F__)
       if (vectorized) {
-        score_heads(qf + j * G * Dh, k, G, Dh, scores + t * Q + j * G, maxes.data() + j * G);
+        decode_runs::score_heads(qf + j * G * Dh, k, G, Dh, scores + t * Q + j * G, maxes.data() + j * G);
         continue;
       }
 #endif
@@ -173,21 +149,18 @@ void attend_task(const float* qf, const T* keys, const T* values, const int64_t*
   std::vector<float> sums(Q);
   softmax_numerators(scores, T_len, Q, maxes.data(), sums.data());
   std::fill(acc, acc + Q * Dh, 0.f);
-  for_each_token(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
+#if defined(__AVX512F__)
+  if (vectorized) {
+    decode_runs::for_each_run(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
+                              [&](int64_t t0, const T* first, int64_t n) {
+                                decode_runs::weigh(first, K * Dh, n, nkh, G, Dh, scores + t0 * Q, Q, acc);
+                              });
+    weighed = T_len;
+  }
+#endif
+  for_each_token(values, table, T_len - weighed, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nkh; ++j) {
       const T* v = row + j * Dh;
-#if defined(__AVX512F__)
-      if (vectorized) {
-        for (int64_t d = 0; d < Dh; d += FloatVec::kLanes) {
-          const typename FloatVec::V vv = FloatVec::load(v + d);  // one load of the value row serves all G heads
-          for (int64_t h = j * G; h < (j + 1) * G; ++h) {
-            float* a = acc + h * Dh + d;
-            FloatVec::store(a, FloatVec::fma(FloatVec::set1(scores[t * Q + h]), vv, FloatVec::load(a)));
-          }
-        }
-        continue;
-      }
-#endif
       for (int64_t h = j * G; h < (j + 1) * G; ++h) {
         const float p = scores[t * Q + h];
         for (int64_t d = 0; d < Dh; ++d) acc[h * Dh + d] += p * scalar_to_float(v[d]);
@@ -267,8 +240,8 @@ void attend(const T* q, const T* cache, const int64_t* block_tables, const int64
 #endif
       {
         scores.resize(Q * T_len);
-        attend_task(qf.data(), keys, values, block_tables + b * max_blocks, T_len, K, kh0, nkh, G, Dh, block_size,
-                    scores.data(), acc.data());
+        attend_task(qf.data(), q + (b * H + h0) * Dh, scale, keys, values, block_tables + b * max_blocks, T_len, K,
+                    kh0, nkh, G, Dh, block_size, scores.data(), acc.data());
       }
       for (int64_t h = 0; h < Q; ++h)
         for (int64_t d = 0; d < Dh; ++d) out[(b * H + h0 + h) * Dh + d] = static_cast<T>(acc[h * Dh + d]);
