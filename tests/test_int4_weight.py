@@ -144,6 +144,11 @@ def test_native_refuses_mismatched_shapes(native):
             kernel(torch.ones(1, 65), weight.packed, weight.scale, weight.low, None)
     with pytest.raises(RuntimeError, match="scale and low must be contiguous float16"):
         native.int4_linear(torch.ones(1, 64), weight.packed, weight.scale.float(), weight.low, None)
+    for dtype in (torch.float32, torch.bfloat16):  # refused on every path, the parts-reading one or not
+        for streams in (0, 5):
+            with pytest.raises(RuntimeError, match=f"streams must be 1 to 4, got {streams}"):
+                native.int4_linear(torch.ones(1, 64, dtype=dtype), weight.packed, weight.scale, weight.low, None,
+                                   streams)
     with pytest.raises(RuntimeError, match="dequantizes to float32, bfloat16 or float16"):
         native.int4_dequantize(weight.packed, weight.scale, weight.low, torch.empty(3, 64, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="out must be a contiguous CPU"):

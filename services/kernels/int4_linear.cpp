@@ -197,6 +197,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams,
                           bool non_temporal) {
   const Int4Args w = check_product(x, packed, scale, low);
+  TORCH_CHECK(streams >= 1 && streams <= 4, "streams must be 1 to 4, got ", streams);  // on every path alike
   const int64_t M = x.size(0), K = x.size(1), N = w.N, Kp = w.Kp, groups = w.groups;
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
