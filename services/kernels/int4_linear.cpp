@@ -206,20 +206,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   float* y = y32.data_ptr<float>();
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kBFloat16) {
-    torch::Tensor xp = padded_x(x, Kp);  // [M, Kp]
-    torch::Tensor xsum = xp.view({M, groups, kGroup}).to(at::kFloat).sum(2).contiguous();  // [M, Kp / G]
-    static std::vector<int64_t> order = [] {  // slot -> column: x in the order of the weights' bf16 words
-      std::vector<int64_t> o(kBlock);
-      for (int e = 0; e < kBlock; ++e) {
-        int r, w;
-        block_slot(e, r, w);
-        o[32 * r + w] = e;
-      }
-      return o;
-    }();
-    xp = xp.view({M, Kp / kBlock, kBlock}).index_select(2, order_tensor(order)).contiguous();  // [M, Kp / 64, 64]
-    const at::BFloat16* xv = xp.data_ptr<at::BFloat16>();
-    const float* xs = xsum.data_ptr<float>();
+    const SlotX xp = slot_x(x, Kp);
+    const at::BFloat16* xv = xp.x.data();
+    const float* xs = xp.xsum.data();
     return with_prefetch_locality(non_temporal, [&](auto locality) {
       auto rows = [&](auto tile, auto parts, int64_t m, int64_t n, int64_t apart, float* acc) {
         dot_rows<decltype(tile)::value, decltype(parts)::value, decltype(locality)::value>(
