@@ -10,7 +10,7 @@
 // Why: the token-at-a-time loops (score_heads: one horizontal sum per head and token; every value weighed into
 // accumulators kept in memory) ran at ~1 instruction a cycle on an AMD EPYC Zen 5, waiting on their shuffle chains
 // and on store-to-load forwarding. One bf16 layer of 32 sequences x 1,024 tokens (H 32, K 8, Dh 64), 2 threads, from
-// memory: 3.4 -> 2.7 ms with contiguous blocks, 5.9 -> 3.9-4.2 ms with its blocks scattered; one thread from the
+// memory: 3.4 -> 2.7-3.0 ms with contiguous blocks, 5.9 -> 3.9-4.2 ms with its blocks scattered; one thread from the
 // caches 160 -> 80 ns a token. score_heads remains for float32 and float16 pools.
 #pragma once
 
