@@ -44,7 +44,8 @@ inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, floa
     __m512 v[4];
     for (int j = 0; j < 4; ++j) {
       v[j] = _mm512_mul_ps(_mm512_loadu_ps(qf + (g + j) * Dh), kv[0]);
-      for (int64_t d = 1; d < Dh / 16; ++d) v[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (g + j) * Dh + 16 * d), kv[d], v[j]);
+      for (int64_t d = 1; d < Dh / 16; ++d)
+        v[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (g + j) * Dh + 16 * d), kv[d], v[j]);
     }
     alignas(16) float sums4[4];
     _mm_store_ps(sums4, reduce4(v[0], v[1], v[2], v[3]));
@@ -171,8 +172,8 @@ inline void score_run(const at::BFloat16* q, const at::BFloat16* k, int64_t stri
 #endif
 
 // A run's value rows weighed into acc [Q, Dh] for the task's nkh kv heads: p [n, Q] from the run's first token.
+// (Inlined, as weigh_run: called through a function per kv head it left the memory-bound case ~15% slower.)
 template <typename T>
-// (inlined, as weigh_run: called through a function per kv head it left the memory-bound case ~15% slower)
 __attribute__((always_inline)) inline void weigh(const T* first, int64_t stride, int64_t n, int64_t nkh, int64_t G,
                                                  int64_t Dh, const float* p, int64_t Q, float* acc) {
   for (int64_t j = 0; j < nkh; ++j)

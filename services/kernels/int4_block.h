@@ -69,9 +69,9 @@ inline void block_words(const uint8_t* packed, int64_t b, __m512i& wa, __m512i& 
 #endif
 
 #if defined(__AVX512BW__)
-// x [M, K] (bf16) as int4_linear's AVX512-BF16 loop reads it: x [M, Kp] in block_slot's order, zero past K (two vpermt2w a block), and
-// xsum [M, Kp / G], its group sums in float32. Made here, not with torch's operators (pad, sum, index_select): those
-// cost ~10 us a call, a sixth of a 3072 x 2048 product's time from memory.
+// x [M, K] (bf16) as int4_linear's AVX512-BF16 loop reads it: x [M, Kp] in block_slot's order, zero past K (two
+// vpermt2w a block), and xsum [M, Kp / G], its group sums in float32. Made here, not with torch's operators (pad,
+// sum, index_select): those cost ~10 us a call, a sixth of a 3072 x 2048 product's time from memory.
 struct SlotX {
   std::vector<at::BFloat16> x;
   std::vector<float> xsum;

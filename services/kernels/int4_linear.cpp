@@ -88,7 +88,8 @@ void dot_rows(const at::BFloat16* x, int64_t Kp, const uint8_t* packed, const at
       for (; g + 16 <= groups; g += 16) {  // the offsets low - 128 * scale, times the group sums of x
         const __m512 gs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs + g)));
         const __m512 gl = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rl + g)));
-        sum = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.f), gs, gl), _mm512_loadu_ps(xsum + m * groups + g), sum);
+        const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), gs, gl);
+        sum = _mm512_fmadd_ps(offset, _mm512_loadu_ps(xsum + m * groups + g), sum);
       }
       float total = _mm512_reduce_add_ps(sum);
       for (; g < groups; ++g)
@@ -202,8 +203,6 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half* s = scale.data_ptr<at::Half>();
   const at::Half* lo = low.data_ptr<at::Half>();
-  torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  float* y = y32.data_ptr<float>();
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kBFloat16) {
     const SlotX xp = slot_x(x, Kp);
@@ -218,6 +217,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     });
   }
 #endif
+  // float32 sums, rounded once to x's dtype below (the AVX512-BF16 path above writes its own y)
+  torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  float* y = y32.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
   // 16-bit x (a float32 model keeps the dequantize-then-dot below: the same sums as torch's dequantized product)
   if (x.scalar_type() != at::kFloat) {
