@@ -78,9 +78,11 @@ def decode_case(dtype, num_seqs=3, heads=6, kv_heads=2, head_dim=24, block_size=
 # query heads per task (Q) of 3, 2, 8, 4, 6, 20 and 16: every layout of the softmax's lanes (Q divides 8, 8
 # divides Q, neither) and both head-dim paths (a multiple of 16 or not); on AVX2 the chunked path's head dims
 # from 16 to its largest, 256, and 5 query heads per kv head (a group of 4, then 1); on AVX-512 the runs' value
-# loops for 1 to 4 heads and 1 to 4 vectors at a time, and bf16 scores from 1 to 8 registers of pairs (decode_runs.h)
+# loops for 1 to 4 heads and 1 to 4 vectors at a time; with AVX512-BF16 the bf16 pairs path (decode_pairs.h) for
+# 1 to 8 registers of pairs, 1 to 4 heads a row pair (G 5: 4, then 1; G 3) and 64 dims, then 32 (Dh 96)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 24), (4, 4, 16), (8, 1, 64), (8, 2, 32), (12, 2, 16),
-                                                     (40, 2, 16), (32, 2, 64), (10, 2, 48), (16, 4, 128), (4, 1, 256)])
+                                                     (40, 2, 16), (32, 2, 64), (10, 2, 48), (16, 4, 128), (4, 1, 256),
+                                                     (10, 2, 64), (6, 2, 96)])
 def test_paged_decode_attention_matches_the_gather_and_sdpa_reference(native, dtype, heads, kv_heads, head_dim):
     q, cache, meta = decode_case(dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     got = native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens_tensor, meta.block_size, 0.3)

@@ -1,17 +1,15 @@
-// Decode attention on AVX-512 CPUs, a run of up to kRun tokens of one pool block at a time (paged_decode_attention.cpp
-// holds the pool walk, the softmax and the other paths; decode_blocks.h the AVX2 one).
+// Decode attention on AVX-512 CPUs over a float32 or float16 pool, a run of up to kRun tokens of one pool block at a
+// time, and the pool walk by runs that the bf16 path (decode_pairs.h) shares. paged_decode_attention.cpp holds the
+// softmax and the other paths; decode_blocks.h the AVX2 one.
 //
 // Legend: G query heads sharing one kv head, Q query heads of a task (its scores' row length), Dh head dim, n <= kRun
 // tokens of a run, rows `stride` elements apart (the pool's token rows).
-//   q:       [G, Dh]   bf16, unscaled (score_run) ; p: [n, Q] float32 softmax numerators (weigh_run, from p[0, h])
+//   qf:      [G, Dh]   float32, pre-scaled (score_heads) ; p: [n, Q] float32 softmax numerators (weigh_run, from p[0, h])
 //   k, v:    [n, *]    the run's key / value rows, Dh elements read from each
 //   scores:  [n, Q]    written from scores[0, g]; acc: [G, Dh] float32, Dh apart
 //
-// Why: the token-at-a-time loops (score_heads: one horizontal sum per head and token; every value weighed into
-// accumulators kept in memory) ran at ~1 instruction a cycle on an AMD EPYC Zen 5, waiting on their shuffle chains
-// and on store-to-load forwarding. One bf16 layer of 32 sequences x 1,024 tokens (H 32, K 8, Dh 64), 2 threads, from
-// memory: 3.4 -> 2.7-3.0 ms with contiguous blocks, 5.9 -> 3.9-4.2 ms with its blocks scattered; one thread from the
-// caches 160 -> 80 ns a token. score_heads remains for float32 and float16 pools.
+// Why: the token-at-a-time loops (every value weighed into accumulators kept in memory) ran at ~1 instruction a cycle
+// on an AMD EPYC Zen 5, waiting on store-to-load forwarding; weigh_run keeps a run's sums in registers.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -62,14 +60,32 @@ inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, floa
   }
 }
 
-// Calls fn(t0, first, n) for the context's tokens a run of n <= kRun at a time within one pool block: tokens
-// t0 .. t0 + n - 1, whose rows (kv head kh on) are first + c * K * Dh. The next run's rows (span elements each) are
-// prefetched while fn works: the blocks are scattered through the pool.
+// The run after the one being worked on: fetch(part, parts) asks for part `part` of its rows' cache lines, into the
+// L2 cache. Why by parts: one run of a whole token row (K 8 x Dh 64 bf16) is 16 KB, 256 lines; asked for in one burst
+// at the start of a run, most of them found the outstanding-miss queues full and came later as demand misses, and
+// into L1 they pushed out the run being read (32 KB on a Zen 4). One bf16 layer of 32 sequences x 1,024 tokens, 2
+// threads of an AMD EPYC Zen 4, from memory: 5.8-7.3 ms a burst into L2, 3.9-4.1 ms by parts (decode_pairs.h).
+template <typename T>
+struct NextRun {
+  const T* first;  // its first row (kv head kh on), nullptr past the context
+  int64_t n, stride, lines;  // rows, elements from one row to the next, cache lines a row
+
+  // (always inlined: called out of line, once per head, the bf16 path ran at half its speed from memory)
+  __attribute__((always_inline)) void fetch(int64_t part, int64_t parts) const {
+    const int64_t total = n * lines;
+    for (int64_t l = part * total / parts, end = (part + 1) * total / parts; l < end; ++l)
+      __builtin_prefetch(reinterpret_cast<const char*>(first + l / lines * stride) + 64 * (l % lines), 0, 2);
+  }
+};
+
+// Calls fn(t0, first, n, next) for the context's tokens a run of n <= kRun at a time within one pool block: tokens
+// t0 .. t0 + n - 1, whose rows (kv head kh on) are first + c * K * Dh; next: the following run (NextRun), for fn to
+// fetch while it works (the blocks are scattered through the pool). span: the elements fn reads of each row.
 constexpr int64_t kRun = 16;
 template <typename T, typename Fn>
 inline void for_each_run(const T* base, const int64_t* table, int64_t T_len, int64_t K, int64_t kh, int64_t span,
                          int64_t Dh, int64_t block_size, Fn&& fn) {
-  const int64_t stride = K * Dh, row_bytes = span * static_cast<int64_t>(sizeof(T));
+  const int64_t stride = K * Dh, lines = (span * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t per_block = (block_size + kRun - 1) / kRun;
   auto run_at = [&](int64_t i, const T** first) {  // run i: block i / per_block, from (i % per_block) * kRun on
     const int64_t b = i / per_block, c = i % per_block * kRun, start = b * block_size + c;
@@ -81,10 +97,7 @@ inline void for_each_run(const T* base, const int64_t* table, int64_t T_len, int
   int64_t n = run_at(0, &first);
   for (int64_t i = 0, t0 = 0; n > 0; ++i) {
     const int64_t next_n = run_at(i + 1, &next);
-    for (int64_t c = 0; c < next_n; ++c)
-      for (int64_t at = 0; at < row_bytes; at += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(next + c * stride) + at);
-    fn(t0, first, n);
+    fn(t0, first, n, NextRun<T>{next, next_n, stride, lines});
     t0 += n;
     n = next_n;
     first = next;
@@ -125,52 +138,6 @@ __attribute__((always_inline)) inline void weigh_run_dv(int dv, const T* v, int6
   }
 }
 
-#if defined(__AVX512BF16__)
-// Sixteen vectors' lane sums as one vector (lane c: the sum of v[c]'s lanes): a transposing tree of 45 instructions,
-// against a horizontal sum (~8, each a chain of shuffles and adds) per vector.
-inline __m512 sum_lanes16(const __m512 v[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i]'s partial sums at 0 and 2, v[2i + 1]'s at 1 and 3
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: v[4i .. 4i + 3]'s partial sums
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
-  // the 128-bit lanes summed, b[i]'s into lane i
-  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-}
-
-// A run's scores from a bf16 pool: scores[c * Q + g] = scale * (q[g] . k_c) for the G query heads (rows of q, Dh
-// apart, unscaled bf16) sharing the n <= kRun key rows k_c = k + c * stride; DP = Dh / 32 bf16 pairs registers.
-// vdpbf16ps multiplies the bf16 values exactly and sums in float32, 32 products an instruction, and sixteen tokens'
-// sums come out of one transposing reduction (a key row converted to float32 and one horizontal sum per head
-// and token ran at ~1 instruction a cycle).
-template <int DP>
-inline void score_run(const at::BFloat16* q, const at::BFloat16* k, int64_t stride, int64_t n, int64_t G, float scale,
-                      float* scores, int64_t Q, float* maxes) {
-  constexpr int64_t Dh = 32 * DP;
-  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512bh qv[DP];
-    for (int p = 0; p < DP; ++p) qv[p] = (__m512bh)_mm512_loadu_si512(q + g * Dh + 32 * p);
-    __m512 v[kRun];
-#pragma GCC unroll 16
-    for (int c = 0; c < kRun; ++c) {
-      v[c] = _mm512_setzero_ps();
-      if (c < n)
-        for (int p = 0; p < DP; ++p)
-          v[c] = _mm512_dpbf16_ps(v[c], qv[p], (__m512bh)_mm512_loadu_si512(k + c * stride + 32 * p));
-    }
-    const __m512 s = _mm512_mul_ps(sum_lanes16(v), _mm512_set1_ps(scale));
-    alignas(64) float lanes[kRun];
-    _mm512_store_ps(lanes, s);
-    for (int64_t c = 0; c < n; ++c) scores[c * Q + g] = lanes[c];
-    maxes[g] = std::max(maxes[g], _mm512_mask_reduce_max_ps(live, s));
-  }
-}
-#endif
-
 // A run's value rows weighed into acc [Q, Dh] for the task's nkh kv heads: p [n, Q] from the run's first token.
 // (Inlined, as weigh_run: called through a function per kv head it left the memory-bound case ~15% slower.)
 template <typename T>
@@ -190,26 +157,6 @@ __attribute__((always_inline)) inline void weigh(const T* first, int64_t stride,
         }
       }
 }
-
-#if defined(__AVX512BF16__)
-// Whether score() takes this head dim: whole registers of bf16 pairs, at most 8.
-inline bool scores_in_pairs(int64_t Dh) { return Dh % 32 == 0 && Dh >= 32 && Dh <= 256; }
-
-// A run's scores [n, Q] (from its first token) for the task's nkh kv heads, q [Q, Dh] bf16 unscaled.
-inline void score(const at::BFloat16* q, const at::BFloat16* first, int64_t stride, int64_t n, int64_t nkh, int64_t G,
-                  int64_t Dh, float scale, float* scores, int64_t Q, float* maxes) {
-  for (int64_t j = 0; j < nkh; ++j) {
-    const at::BFloat16 *qj = q + j * G * Dh, *k = first + j * Dh;
-    switch (Dh / 32) {
-#define PDSERVE_DP_CASE(i) \
-  case i: score_run<i>(qj, k, stride, n, G, scale, scores + j * G, Q, maxes + j * G); break;
-      PDSERVE_DP_CASE(1) PDSERVE_DP_CASE(2) PDSERVE_DP_CASE(3) PDSERVE_DP_CASE(4)
-      PDSERVE_DP_CASE(5) PDSERVE_DP_CASE(6) PDSERVE_DP_CASE(7) default: PDSERVE_DP_CASE(8)
-#undef PDSERVE_DP_CASE
-    }
-  }
-}
-#endif
 
 }  // namespace decode_runs
 

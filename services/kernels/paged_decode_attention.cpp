@@ -10,9 +10,10 @@
 //
 // Each (sequence, kv head) pair is one task: scores of its G query heads against every key
 // (float32), a softmax, then the values weighted by it. Every key and value is read once for the G
-// heads that share it, which is all decode attention must read. With AVX-512 and Dh a multiple of 16,
-// each key and value row is loaded once as float32 vectors and the softmax's exp is a polynomial on 16
-// scores at a time; with AVX2 (no AVX-512) the context goes 16 tokens at a time with an online softmax
+// heads that share it, which is all decode attention must read. A bf16 pool on an AVX512-BF16 CPU
+// (Dh a multiple of 32) is multiplied in bf16 pairs (decode_pairs.h); otherwise, with AVX-512 and Dh a
+// multiple of 16, each key and value row is loaded once as float32 vectors and the softmax's exp is a
+// polynomial on 16 scores at a time (decode_runs.h); with AVX2 (no AVX-512) the context goes 16 tokens at a time with an online softmax
 // (decode_blocks.h); elsewhere the same loops run scalar (the compiler vectorizes what it can).
 
 #include <torch/extension.h>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "decode_blocks.h"
+#include "decode_pairs.h"
 #include "decode_runs.h"
 #include "softmax_math.h"
 #include "vec_load.h"
@@ -106,30 +108,16 @@ inline void for_each_token(const T* base, const int64_t* table, int64_t T_len, i
 }
 
 // One task: a sequence's kv heads kh0 .. kh0 + nkh - 1 and their query heads (Q = nkh * G, in order).
-// qf: [Q, Dh] float32, pre-scaled; q: [Q, Dh] the same heads as given, unscaled (a bf16 pool on an AVX512-BF16 CPU
-// is scored from them, decode_runs.h); scores: [T, Q]; acc: [Q, Dh]. Taking several adjacent heads per task reads
+// qf: [Q, Dh] float32, pre-scaled; scores: [T, Q]; acc: [Q, Dh]. Taking several adjacent heads per task reads
 // each token's row of the pool as one contiguous run.
 template <typename T>
-void attend_task(const float* qf, const T* q, float scale, const T* keys, const T* values, const int64_t* table,
-                 int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G, int64_t Dh, int64_t block_size,
-                 float* scores, float* acc) {
+void attend_task(const float* qf, const T* keys, const T* values, const int64_t* table, int64_t T_len, int64_t K,
+                 int64_t kh0, int64_t nkh, int64_t G, int64_t Dh, int64_t block_size, float* scores, float* acc) {
   const int64_t Q = nkh * G;
   std::vector<float> maxes(Q, -std::numeric_limits<float>::infinity());
-  int64_t scored = 0, weighed = 0;  // tokens whose scores are in, whose values are weighed in
+  int64_t weighed = 0;  // tokens whose values are weighed in
   [[maybe_unused]] const bool vectorized = Dh % 16 == 0 && Dh <= 256;  // (AVX-512; AVX2 takes decode_blocks.h)
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (decode_runs::scores_in_pairs(Dh)) {
-      decode_runs::for_each_run(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
-                                [&](int64_t t0, const T* first, int64_t n) {
-                                  decode_runs::score(q, first, K * Dh, n, nkh, G, Dh, scale, scores + t0 * Q, Q,
-                                                     maxes.data());
-                                });
-      scored = T_len;
-    }
-  }
-#endif
-  for_each_token(keys, table, T_len - scored, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
+  for_each_token(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size, [&](int64_t t, const T* row) {
     for (int64_t j = 0; j < nkh; ++j) {
       const T* k = row + j * Dh;
 #if defined(__AVX512F__)
@@ -152,7 +140,8 @@ void attend_task(const float* qf, const T* q, float scale, const T* keys, const 
 #if defined(__AVX512F__)
   if (vectorized) {
     decode_runs::for_each_run(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
-                              [&](int64_t t0, const T* first, int64_t n) {
+                              [&](int64_t t0, const T* first, int64_t n, const decode_runs::NextRun<T>& next) {
+                                next.fetch(0, 1);
                                 decode_runs::weigh(first, K * Dh, n, nkh, G, Dh, scores + t0 * Q, Q, acc);
                               });
     weighed = T_len;
@@ -213,6 +202,23 @@ void attend_task_chunks(const float* qf, const T* keys, const T* values, const i
 }
 #endif
 
+// A task on decode_pairs.h's path where it takes it (a bf16 pool on an AVX512-BF16 CPU, Dh a multiple of 32 up to
+// 256; q: the task's [Q, Dh] query heads, unscaled): whether it did.
+template <typename T>
+bool attend_in_pairs(const T*, float, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     int64_t, int64_t, std::vector<float>&, float*) {
+  return false;
+}
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+inline bool attend_in_pairs(const at::BFloat16* q, float scale, const at::BFloat16* keys, const at::BFloat16* values,
+                            const int64_t* table, int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G,
+                            int64_t Dh, int64_t block_size, std::vector<float>& scores, float* acc) {
+  if (!decode_pairs::supports(Dh)) return false;
+  decode_pairs::attend_task_dh(Dh, q, scale, keys, values, table, T_len, K, kh0, nkh, G, block_size, scores, acc);
+  return true;
+}
+#endif
+
 template <typename T>
 void attend(const T* q, const T* cache, const int64_t* block_tables, const int64_t* context_lens, T* out, int64_t B,
             int64_t H, int64_t K, int64_t Dh, int64_t S, int64_t max_blocks, int64_t block_size, float scale) {
@@ -230,18 +236,20 @@ void attend(const T* q, const T* cache, const int64_t* block_tables, const int64
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / chunks, kh0 = (task % chunks) * nkh, T_len = context_lens[b];
       const int64_t h0 = kh0 * G, Q = nkh * G;  // query heads h0 .. h0 + Q - 1
-      for (int64_t h = 0; h < Q; ++h)  // scaled once
-        for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = scalar_to_float(q[(b * H + h0 + h) * Dh + d]) * scale;
+      const int64_t* table = block_tables + b * max_blocks;
+      if (!attend_in_pairs(q + (b * H + h0) * Dh, scale, keys, values, table, T_len, K, kh0, nkh, G, Dh, block_size,
+                           scores, acc.data())) {
+        for (int64_t h = 0; h < Q; ++h)  // scaled once
+          for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = scalar_to_float(q[(b * H + h0 + h) * Dh + d]) * scale;
 #if defined(PDSERVE_DECODE_BLOCKS)
-      if (decode_blocks::supports(Dh)) {
-        attend_task_chunks(qf.data(), keys, values, block_tables + b * max_blocks, T_len, K, kh0, nkh, G, Dh,
-                           block_size, acc.data());
-      } else
+        if (decode_blocks::supports(Dh)) {
+          attend_task_chunks(qf.data(), keys, values, table, T_len, K, kh0, nkh, G, Dh, block_size, acc.data());
+        } else
 #endif
-      {
-        scores.resize(Q * T_len);
-        attend_task(qf.data(), q + (b * H + h0) * Dh, scale, keys, values, block_tables + b * max_blocks, T_len, K,
-                    kh0, nkh, G, Dh, block_size, scores.data(), acc.data());
+        {
+          scores.resize(Q * T_len);
+          attend_task(qf.data(), keys, values, table, T_len, K, kh0, nkh, G, Dh, block_size, scores.data(), acc.data());
+        }
       }
       for (int64_t h = 0; h < Q; ++h)
         for (int64_t d = 0; d < Dh; ++d) out[(b * H + h0 + h) * Dh + d] = static_cast<T>(acc[h * Dh + d]);

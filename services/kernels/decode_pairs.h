@@ -1,0 +1,207 @@
+// Decode attention over a bf16 pool on CPUs with AVX512-BF16: every product by vdpbf16ps, the scores of a run of up to
+// kRun tokens as one vector per query head, the probabilities rounded to bf16 pairs as the prefill kernel's are.
+//
+// Legend: G query heads sharing one kv head, nkh kv heads of a task, Q = nkh * G its query heads, Dh head dim (a
+// multiple of 32, at most 256: DP = Dh / 32 registers of bf16 pairs), n <= kRun tokens of a run, R a task's runs.
+//   q:      [Q, Dh]           bf16, unscaled, the task's query heads
+//   keys, values: the pool's [S, K, Dh] halves, found a run at a time through the block table (decode_runs.h)
+//   scores: [R, Q, kRun]      float32 per task: run r's scores of head h are one vector (lanes past n: -inf); then,
+//                             in place, its softmax numerators as kRun bf16 (the vector's first half), token pairs
+//                             (2i, 2i + 1) as 32-bit lanes i
+//   acc:    [Q, Dh]           float32, the output; while the values are weighed, in pair order (weigh_pairs)
+//
+// Why: one bf16 layer of 32 sequences x 1,024 tokens (H 32, K 8, Dh 64) took 6.7-7.0 ms on 2 threads of an AMD EPYC
+// Zen 4 (~10 GB/s), and ~200 ns a token on one thread from the caches, where its scores were stored one float at a
+// time into a token-major buffer and its values weighed by float32 FMAs (4 per token and head at Dh 64, each value row
+// converted to float32 first). Here a run's scores leave as one store per head, and the values are weighed two tokens
+// at a time: one vdpbf16ps takes a pair of probabilities (broadcast) against two value rows interleaved
+// (unpacklo/hi_epi16), 32 multiply-adds an instruction: ~110 ns a token from the caches; with the next run fetched by
+// parts (decode_runs.h NextRun), 3.9-4.1 ms from memory. A probability rounded to bf16 moves the output by < 0.4% of
+// the values' size, as the prefill kernel's (which multiplies bf16 pairs of them too) and torch's bf16 attention do.
+#pragma once
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "decode_runs.h"
+#include "softmax_math.h"
+
+namespace decode_pairs {
+
+using decode_runs::kRun;
+
+inline bool supports(int64_t Dh) { return Dh % 32 == 0 && Dh >= 32 && Dh <= 256; }
+
+// Sixteen vectors' lane sums as one vector (lane c: the sum of v[c]'s lanes): a transposing tree of 45 instructions,
+// against a horizontal sum (~8, each a chain of shuffles and adds) per vector.
+inline __m512 sum_lanes16(const __m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i]'s partial sums at 0 and 2, v[2i + 1]'s at 1 and 3
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: v[4i .. 4i + 3]'s partial sums
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  // the 128-bit lanes summed, b[i]'s into lane i
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// The n <= kRun scores of one query head q [Dh] against the key rows k + c * stride, lane c (lanes past n: 0): each
+// token's DP products summed in its own register, then sixteen registers' lanes summed by one transposing tree.
+template <int DP>
+inline __m512 run_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t stride, int64_t n) {
+  __m512bh qv[DP];
+  for (int p = 0; p < DP; ++p) qv[p] = (__m512bh)_mm512_loadu_si512(q + 32 * p);
+  __m512 v[kRun];
+#pragma GCC unroll 16
+  for (int c = 0; c < kRun; ++c) {
+    v[c] = _mm512_setzero_ps();
+    if (c < n)
+      for (int p = 0; p < DP; ++p) v[c] = _mm512_dpbf16_ps(v[c], qv[p], (__m512bh)_mm512_loadu_si512(k + c * stride + 32 * p));
+  }
+  return sum_lanes16(v);
+}
+
+// acc[h] += sum_c p_h[c] * v_c for HB heads and SV source registers (32 dims each) of the n value rows
+// v_c = v + c * stride, two rows at a time: unpacklo/hi_epi16 of rows 2i and 2i + 1 give 32-bit lanes
+// (v_2i[d], v_2i+1[d]), multiplied by the pair (p[2i], p[2i + 1]) (pairs: p + h * kRun as int32, lane i). The sums
+// stay in pair order: register 2s + half, lane 4L + j holds dim 32s + 8L + 4 half + j (pair_column).
+template <int HB, int SV>
+__attribute__((always_inline)) inline void weigh_pairs(const at::BFloat16* v, int64_t stride, int64_t n,
+                                                       const int32_t* pairs, float* acc, int64_t Dh) {
+  __m512 a[HB][2 * SV];
+  for (int h = 0; h < HB; ++h)
+    for (int s = 0; s < 2 * SV; ++s) a[h][s] = _mm512_loadu_ps(acc + h * Dh + 16 * s);
+  for (int64_t i = 0; 2 * i < n; ++i) {
+    const at::BFloat16* row = v + 2 * i * stride;
+    __m512i lo[SV], hi[SV];
+    for (int s = 0; s < SV; ++s) {
+      const __m512i even = _mm512_loadu_si512(row + 32 * s);
+      const __m512i odd = 2 * i + 1 < n ? _mm512_loadu_si512(row + stride + 32 * s) : _mm512_setzero_si512();
+      lo[s] = _mm512_unpacklo_epi16(even, odd);
+      hi[s] = _mm512_unpackhi_epi16(even, odd);
+    }
+    for (int h = 0; h < HB; ++h) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[h * kRun + i]);
+      for (int s = 0; s < SV; ++s) {
+        a[h][2 * s] = _mm512_dpbf16_ps(a[h][2 * s], w, (__m512bh)lo[s]);
+        a[h][2 * s + 1] = _mm512_dpbf16_ps(a[h][2 * s + 1], w, (__m512bh)hi[s]);
+      }
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int s = 0; s < 2 * SV; ++s) _mm512_storeu_ps(acc + h * Dh + 16 * s, a[h][s]);
+}
+
+// Where weigh_pairs keeps dim d of a head's row: register 2s + half (16 floats each), lane 4L + j.
+inline int64_t pair_column(int64_t d) {
+  const int64_t s = d / 32, r = d % 32, L = r / 8, half = (r % 8) / 4, j = r % 4;
+  return 32 * s + 16 * half + 4 * L + j;
+}
+
+template <int HB>
+__attribute__((always_inline)) inline void weigh_heads(int sv, const at::BFloat16* v, int64_t stride, int64_t n,
+                                                       const int32_t* pairs, float* acc, int64_t Dh) {
+  if (sv == 2) weigh_pairs<HB, 2>(v, stride, n, pairs, acc, Dh);
+  else weigh_pairs<HB, 1>(v, stride, n, pairs, acc, Dh);
+}
+
+// One task (decode_runs' attend_task contract): acc [Q, Dh] = softmax(scale q . k) v for its query heads, normalized,
+// in column order. scores: the task's buffer, resized here.
+template <int DP>
+void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, const at::BFloat16* values,
+                 const int64_t* table, int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G, int64_t block_size,
+                 std::vector<float>& scores, float* acc) {
+  constexpr int64_t Dh = 32 * DP;
+  const int64_t Q = nkh * G, stride = K * Dh;
+  const int64_t runs = (T_len + block_size - 1) / block_size * ((block_size + kRun - 1) / kRun);
+  scores.resize(runs * Q * kRun);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  std::vector<float> maxes(Q * kRun, -std::numeric_limits<float>::infinity());  // per head, lane-wise
+  int64_t r = 0;
+  decode_runs::for_each_run(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
+                            [&](int64_t, const at::BFloat16* first, int64_t n,
+                                const decode_runs::NextRun<at::BFloat16>& next) {
+                              const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+                              float* run = scores.data() + r++ * Q * kRun;
+                              for (int64_t h = 0; h < Q; ++h) {
+                                next.fetch(h, Q);
+                                const __m512 s = _mm512_mask_mov_ps(
+                                    minus_inf, live,
+                                    _mm512_mul_ps(run_scores<DP>(q + h * Dh, first + h / G * Dh, stride, n),
+                                                  _mm512_set1_ps(scale)));
+                                _mm512_storeu_ps(run + h * kRun, s);
+                                _mm512_storeu_ps(maxes.data() + h * kRun,
+                                                 _mm512_max_ps(_mm512_loadu_ps(maxes.data() + h * kRun), s));
+                              }
+                            });
+  // the numerators e^(s - max) in place as bf16, summed per head in float32 (lanes past a run's n: exactly 0)
+  std::vector<float> sums(Q * kRun, 0.f);
+  for (int64_t h = 0; h < Q; ++h) {
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(maxes.data() + h * kRun)));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < r; ++i) {
+      float* at = scores.data() + (i * Q + h) * kRun;
+      const __m512 s = _mm512_loadu_ps(at);
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ),
+                                           exp_nonpositive(_mm512_sub_ps(s, max)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    sums[h] = _mm512_reduce_add_ps(sum);
+  }
+  std::fill(acc, acc + Q * Dh, 0.f);
+  r = 0;
+  decode_runs::for_each_run(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
+                            [&](int64_t, const at::BFloat16* first, int64_t n,
+                                const decode_runs::NextRun<at::BFloat16>& next) {
+                              const int32_t* pairs = reinterpret_cast<const int32_t*>(scores.data() + r++ * Q * kRun);
+                              const int64_t parts = nkh * ((G + 3) / 4);
+                              for (int64_t j = 0; j < nkh; ++j)
+                                for (int64_t g = 0; g < G; g += 4) {  // four heads at a time share each row pair
+                                  next.fetch(j * ((G + 3) / 4) + g / 4, parts);
+                                  for (int64_t d = 0; d < Dh; d += 64) {
+                                    const at::BFloat16* v = first + j * Dh + d;
+                                    const int32_t* p = pairs + (j * G + g) * kRun;
+                                    float* a = acc + (j * G + g) * Dh + d;
+                                    const int sv = static_cast<int>(std::min<int64_t>(64, Dh - d) / 32);
+                                    switch (std::min<int64_t>(4, G - g)) {
+                                      case 1: weigh_heads<1>(sv, v, stride, n, p, a, Dh); break;
+                                      case 2: weigh_heads<2>(sv, v, stride, n, p, a, Dh); break;
+                                      case 3: weigh_heads<3>(sv, v, stride, n, p, a, Dh); break;
+                                      default: weigh_heads<4>(sv, v, stride, n, p, a, Dh); break;
+                                    }
+                                  }
+                                }
+                            });
+  float row[Dh];
+  for (int64_t h = 0; h < Q; ++h) {
+    for (int64_t d = 0; d < Dh; ++d) row[d] = acc[h * Dh + pair_column(d)] / sums[h];
+    std::copy(row, row + Dh, acc + h * Dh);
+  }
+}
+
+// attend_task for a head dim chosen at run time (supports(Dh)).
+inline void attend_task_dh(int64_t Dh, const at::BFloat16* q, float scale, const at::BFloat16* keys,
+                           const at::BFloat16* values, const int64_t* table, int64_t T_len, int64_t K, int64_t kh0,
+                           int64_t nkh, int64_t G, int64_t block_size, std::vector<float>& scores, float* acc) {
+  switch (Dh / 32) {
+#define PDSERVE_DP_CASE(i) \
+  case i: attend_task<i>(q, scale, keys, values, table, T_len, K, kh0, nkh, G, block_size, scores, acc); break;
+    PDSERVE_DP_CASE(1) PDSERVE_DP_CASE(2) PDSERVE_DP_CASE(3) PDSERVE_DP_CASE(4)
+    PDSERVE_DP_CASE(5) PDSERVE_DP_CASE(6) PDSERVE_DP_CASE(7) default: PDSERVE_DP_CASE(8)
+#undef PDSERVE_DP_CASE
+  }
+}
+
+}  // namespace decode_pairs
+
+#endif  // AVX512-BF16
