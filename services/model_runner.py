@@ -25,6 +25,7 @@ from services.sampler import logprob_entry, sample
 from services.scheduler import SampledToken, ScheduledBatch
 from services.sequence import Sequence
 from services.step_plan import KVExport, KVImport, StepPlan
+from services.weight_arena import HugePageArena
 
 if TYPE_CHECKING:
     from services.tensor_parallel_runner import TensorParallel
@@ -56,8 +57,11 @@ class ModelRunner:
         # rows write their KV there (services/cuda_graph_runner.py).
         num_kv_heads = self.model.num_kv_heads
         self.scratch_block = num_blocks
-        self.kv_cache = torch.zeros(config.num_layers, 2, num_blocks + 1, block_size, num_kv_heads,
-                                    config.head_dim, dtype=dtype, device=device)
+        shape = (config.num_layers, 2, num_blocks + 1, block_size, num_kv_heads, config.head_dim)
+        # On a CPU in 2 MB pages: decode attention streams every context from it, and with 4 KB pages a 32 x 1,024
+        # bf16 layer took 3.1-3.9 ms against 2.5-3.0 (AMD EPYC Zen 4, 2 threads; services/weight_arena.py)
+        in_huge_pages = HugePageArena.zeros(shape, dtype) if device.type == "cpu" else None
+        self.kv_cache = in_huge_pages if in_huge_pages is not None else torch.zeros(shape, dtype=dtype, device=device)
         self.kv_slots = self.kv_cache.view(config.num_layers, 2, (num_blocks + 1) * block_size,
                                            num_kv_heads, config.head_dim)  # [L, 2, S, K, Dh]
         self.max_model_len = max_model_len

@@ -43,3 +43,18 @@ def test_the_model_streams_its_matrices_from_the_arena(tiny_path, quantization):
     assert starts[-1] - starts[0] < sum(HugePageArena.size_of(m) for m in matrices)
     if quantization is None and model.config.tie_word_embeddings:
         assert model.embed is model.lm_head
+
+
+def test_zeros_is_a_zeroed_tensor_of_its_own_from_a_huge_page_boundary():
+    first = HugePageArena.zeros((3, 2, 5, 4), torch.bfloat16)
+    second = HugePageArena.zeros((7,), torch.float32)
+    assert first.shape == (3, 2, 5, 4) and first.dtype == torch.bfloat16 and not first.any()
+    assert first.data_ptr() % HUGE_PAGE == 0 and second.data_ptr() % HUGE_PAGE == 0
+    first[1, 1].fill_(2.5)  # writable, and only the written slots change
+    assert first.float().sum().item() == 2.5 * 20 and not second.any()
+
+
+def test_the_engine_keeps_its_kv_pool_in_the_arena(tiny_path):
+    runner = Engine(tiny_path).runner
+    assert runner.kv_cache.data_ptr() % HUGE_PAGE == 0 and runner.kv_cache.is_contiguous()
+    assert runner.kv_slots.data_ptr() == runner.kv_cache.data_ptr()
