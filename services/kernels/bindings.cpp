@@ -20,6 +20,9 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
                                const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
 torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                            const c10::optional<torch::Tensor>& bias);
+torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torch::Tensor>& w,
+                                const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& packed,
+                                const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
@@ -59,6 +62,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]) in float32 for batches, W read once in 16-row panels "
         "(AVX2 CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  m.def("pair_tiled_linear", &pair_tiled_linear,
+        "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]) for batches, W bf16 (w), int8 (w, scale [N]) or group-wise int4 "
+        "(packed, scale, low): W converted once a call into bf16 pair panels, vdpbf16ps register tiles "
+        "(AVX512-BF16 CPUs)",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("packed"), py::arg("low"), py::arg("bias"));
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,

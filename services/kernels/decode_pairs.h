@@ -65,7 +65,8 @@ inline __m512 run_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t s
   for (int c = 0; c < kRun; ++c) {
     v[c] = _mm512_setzero_ps();
     if (c < n)
-      for (int p = 0; p < DP; ++p) v[c] = _mm512_dpbf16_ps(v[c], qv[p], (__m512bh)_mm512_loadu_si512(k + c * stride + 32 * p));
+      for (int p = 0; p < DP; ++p)
+        v[c] = _mm512_dpbf16_ps(v[c], qv[p], (__m512bh)_mm512_loadu_si512(k + c * stride + 32 * p));
   }
   return sum_lanes16(v);
 }
@@ -118,7 +119,8 @@ __attribute__((always_inline)) inline void weigh_heads(int sv, const at::BFloat1
 // in column order. scores: the task's buffer, resized here.
 template <int DP>
 void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, const at::BFloat16* values,
-                 const int64_t* table, int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G, int64_t block_size,
+                 const int64_t* table, int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G,
+                 int64_t block_size,
                  std::vector<float>& scores, float* acc) {
   constexpr int64_t Dh = 32 * DP;
   const int64_t Q = nkh * G, stride = K * Dh;

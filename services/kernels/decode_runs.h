@@ -4,7 +4,8 @@
 //
 // Legend: G query heads sharing one kv head, Q query heads of a task (its scores' row length), Dh head dim, n <= kRun
 // tokens of a run, rows `stride` elements apart (the pool's token rows).
-//   qf:      [G, Dh]   float32, pre-scaled (score_heads) ; p: [n, Q] float32 softmax numerators (weigh_run, from p[0, h])
+//   qf:      [G, Dh]   float32, pre-scaled (score_heads)
+//   p:       [n, Q]    float32 softmax numerators (weigh_run, from p[0, h])
 //   k, v:    [n, *]    the run's key / value rows, Dh elements read from each
 //   scores:  [n, Q]    written from scores[0, g]; acc: [G, Dh] float32, Dh apart
 //

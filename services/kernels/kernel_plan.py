@@ -118,7 +118,8 @@ class KernelPlan:
                 continue
             names = []
             for b, rows in enumerate(PROBE_ROWS):
-                found = candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b], native, packed)
+                found = candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b], native, packed,
+                                   compute=dtype)
                 if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
                     # the native kernel where it runs (few rows), else w8a8's own product, else the first
                     # (torch.linear / dequant.linear)

@@ -148,6 +148,16 @@ def _native_int4(kernel: Callable, *options: int) -> LinearFn:
     return int4
 
 
+def _native_pairs(kernel: Callable) -> LinearFn:
+    # pair_tiled_linear.cpp: bf16 x (candidates offers it for that compute dtype only), W bf16, int8 or int4
+    def pairs(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        if isinstance(weight, Int4Weight):
+            return kernel(x, None, weight.scale, weight.packed, weight.low, bias)
+        return kernel(x, *_values_and_scale(weight), None, None, bias)
+    return pairs
+
+
 # skinny_linear's variants by candidate name: (W rows in flight per thread, non_temporal prefetch, the rows one
 # from each quarter of the thread's rows); the read ceilings time them too (services/hardware_peaks.py,
 # benchmarks/ceilings.py)
@@ -167,10 +177,14 @@ def _parts_name(kernel: str, streams: int, non_temporal: bool) -> str:
 
 
 def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None,
-               packed: bool = False) -> dict[str, LinearFn]:
+               packed: bool = False, compute: torch.dtype | None = None) -> dict[str, LinearFn]:
     """The kernels that can run a weight of `weight_format` ("int8", "w8a8", "int4", else a dense dtype) and
     `in_features` columns for batches of up to `max_rows` rows, on the CPU or not; `packed`: offer oneDNN's
-    packed copy of a dense weight (onednn_packs.py: it costs the weight's memory again)."""
+    packed copy of a dense weight (onednn_packs.py: it costs the weight's memory again); `compute`: x's dtype
+    (None: any, every kernel named)."""
+    # W converted once a call into bf16 pair panels, register tiles of vdpbf16ps (AVX512-BF16 builds, bf16 x)
+    pairs = (on_cpu and native is not None and max_rows > 1 and hasattr(native, "pair_tiled_linear")
+             and compute in (None, torch.bfloat16) and weight_format in ("int8", "int4", "bfloat16"))
     # many rows on a CPU: also the product in float32 (the 16-bit one is slow where the CPU lacks
     # 16-bit matrix instructions; elsewhere timing drops it)
     upcast = on_cpu and max_rows > 1
@@ -195,6 +209,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
             # W dequantized whole (to x's dtype), then the float32 register tiles below (AVX2 hosts)
             found["dequant.tiled"] = _int4_dequant_linear(native, None, _native_tiled(native.tiled_linear))
+        if pairs:
+            found["native.pairs"] = _native_pairs(native.pair_tiled_linear)
         return found
     if weight_format == "w8a8" and on_cpu:
         # every product rounds its activations, whatever its row count: a request's answer must not depend on
@@ -234,4 +250,6 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
         # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode and prefill)
         found["native.tiled"] = _native_tiled(native.tiled_linear)
+    if pairs:
+        found["native.pairs"] = _native_pairs(native.pair_tiled_linear)
     return found

@@ -13,8 +13,9 @@
 // heads that share it, which is all decode attention must read. A bf16 pool on an AVX512-BF16 CPU
 // (Dh a multiple of 32) is multiplied in bf16 pairs (decode_pairs.h); otherwise, with AVX-512 and Dh a
 // multiple of 16, each key and value row is loaded once as float32 vectors and the softmax's exp is a
-// polynomial on 16 scores at a time (decode_runs.h); with AVX2 (no AVX-512) the context goes 16 tokens at a time with an online softmax
-// (decode_blocks.h); elsewhere the same loops run scalar (the compiler vectorizes what it can).
+// polynomial on 16 scores at a time (decode_runs.h); with AVX2 (no AVX-512) the context goes 16 tokens
+// at a time with an online softmax (decode_blocks.h); elsewhere the same loops run scalar (the compiler
+// vectorizes what it can).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

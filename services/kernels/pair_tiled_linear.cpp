@@ -1,0 +1,248 @@
+// Quantized (or bf16) weights times a batch of rows on CPUs with AVX512-BF16: y = x @ W^T (+ bias), every product
+// by vdpbf16ps with float32 sums, W read from memory once per call whatever the number of rows.
+//
+// Legend: M rows of x, K input features, N output features, NR = 32 W rows per panel, KC = 128 columns per chunk,
+// MR <= 8 rows of x per register tile, Kx = K rounded up to whole chunks.
+//   x:      [M, K]        bfloat16 (other dtypes: not taken, see linear_candidates.py)
+//   W:      [N, K] bfloat16; or int8 with scale [N] float32 (w_real[n, k] = w[n, k] * scale[n]); or group-wise int4
+//           (packed [N, Kp / 2], scale and low [N, Kp / 32] float16: int4_block.h)
+//   bias:   [N]           optional, x's dtype
+//   y:      [M, N]        x's dtype, rounded once from the float32 sums
+//   xs:     [M, Kx]       bf16, x with zeros past K: its 32-bit lanes are the pairs (x[m, 2j], x[m, 2j + 1])
+//   rows:   [NR, KC]      bf16, per thread: one chunk of the panel's W rows (int8 exactly as integers, scaled at the
+//           end; int4 dequantized and rounded to bf16, as int4's prefill path does)
+//   panel:  [KC / 2, NR]  int32, per thread: rows transposed, lane n of entry j the pair (W[n, 2j], W[n, 2j + 1])
+//   sums:   [M, NR]       float32, per thread: the panel's sums over the chunks so far
+//
+// Why: with several rows the streaming kernels convert each W element once per row (int8_x16, int4_linear) or read W
+// once per 4 rows (skinny_linear), and the int4 tiles (int4_tiled_linear.cpp) sum dot products along K from L2: 32
+// rows of x x the 1b preset's int8 matrices ran at 170-260 GFLOP/s, bf16 through oneDNN's packed weights at 265-330,
+// on an AMD EPYC Zen 4 (2 threads). Here each W element is converted once per call, and the register tile
+// (MR x 2 vectors of 16 sums) takes x as broadcast pairs against two panel vectors: 2 loads and MR broadcasts for 2 MR
+// vdpbf16ps, no horizontal sums, the panel chunk (8 KB) and x's chunk in L1.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "int4_block.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+namespace {
+
+constexpr int64_t kNR = 32, kKC = 128, kMR = 8;
+
+// 16 rows of 16 int32 each -> out[j] = (rows[0][j], ..., rows[15][j])
+inline void transpose16(const __m512i in[16], __m512i out[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i)  // a[4i + h]: rows 4i, 4i + 1 (h = 0: columns 4L, 4L + 1; h = 1: 4L + 2, 4L + 3)
+    for (int h = 0; h < 2; ++h) {
+      b[4 * i + 2 * h] = _mm512_unpacklo_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+      b[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(a[4 * i + h], a[4 * i + 2 + h]);
+    }
+  // b[4i + c]: 128-bit lane L holds column 4L + c of rows 4i .. 4i + 3; gather each column's four lanes
+  for (int c = 0; c < 4; ++c) {
+    const __m512i lo01 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), hi01 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+    const __m512i lo23 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+    const __m512i hi23 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+    out[c] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);
+    out[8 + c] = _mm512_shuffle_i32x4(lo01, lo23, 0xDD);
+    out[4 + c] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
+    out[12 + c] = _mm512_shuffle_i32x4(hi01, hi23, 0xDD);
+  }
+}
+
+// panel [KC / 2, NR] from rows [NR, KC] (bf16, row-major)
+inline void pack_panel(const at::BFloat16* rows, int32_t* panel) {
+  for (int half = 0; half < 2; ++half)
+    for (int64_t j0 = 0; j0 < kKC / 2; j0 += 16) {
+      __m512i in[16], out[16];
+      for (int r = 0; r < 16; ++r) in[r] = _mm512_loadu_si512(rows + (16 * half + r) * kKC + 2 * j0);
+      transpose16(in, out);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(panel + (j0 + j) * kNR + 16 * half, out[j]);
+    }
+}
+
+// sums [MR, NR] (+)= x's tile . panel, x's tile [KC / 2, kMR] int32 pairs (xp's layout)
+template <int MR>
+inline void tile(const int32_t* xs, const int32_t* panel, bool first, float* sums) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) acc[m][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kNR + 16 * h);
+  for (int64_t j = 0; j < kKC / 2; ++j) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * kNR);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * kNR + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xs[j * kMR + m]);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(sums + m * kNR + 16 * h, acc[m][h]);
+}
+
+// every tile of x (one chunk of xp: [ceil(M / MR), KC / 2, MR]) times the panel
+inline void tiles(const int32_t* xs, int64_t M, const int32_t* panel, bool first, float* sums) {
+  for (int64_t m = 0; m < M; m += kMR, xs += kKC / 2 * kMR) {
+    switch (std::min(kMR, M - m)) {
+#define PDSERVE_MR_CASE(i) \
+  case i: tile<i>(xs, panel, first, sums + m * kNR); break;
+      PDSERVE_MR_CASE(1) PDSERVE_MR_CASE(2) PDSERVE_MR_CASE(3) PDSERVE_MR_CASE(4)
+      PDSERVE_MR_CASE(5) PDSERVE_MR_CASE(6) PDSERVE_MR_CASE(7) default: PDSERVE_MR_CASE(8)
+#undef PDSERVE_MR_CASE
+    }
+  }
+}
+
+// x [M, K] as xp [Kx / KC chunks, ceil(M / MR) tiles, KC / 2, MR] int32 pairs, zeros past K and past M: a tile's
+// broadcasts read one stream (x's own rows, Kx / 2 int32 apart, alias in L1 at K = 2,048 and 8,192)
+inline std::vector<int32_t> pack_x(const at::BFloat16* x, int64_t M, int64_t K, int64_t Kx) {
+  const int64_t tiles = (M + kMR - 1) / kMR;
+  std::vector<int32_t> xp(Kx / kKC * tiles * kKC / 2 * kMR, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 2) {
+      uint16_t pair[2] = {0, 0};
+      std::memcpy(pair, x + m * K + k, (k + 1 < K ? 2 : 1) * sizeof(at::BFloat16));
+      const int64_t chunk = k / kKC, j = (k % kKC) / 2;
+      std::memcpy(&xp[((chunk * tiles + m / kMR) * kKC / 2 + j) * kMR + m % kMR], pair, 4);
+    }
+  return xp;
+}
+
+// bytes from p on into the L2 cache (lines past the end of a row may be fetched: only ever read within the tensor
+// or its allocation's last line)
+inline void fetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 2);
+}
+
+// One chunk of W row n (columns k0 .. k0 + KC, zeros past K) as bf16, into out [KC], for each weight format.
+struct Bf16Rows {
+  const at::BFloat16* w;
+  int64_t K;
+  void row(int64_t n, int64_t k0, at::BFloat16* out) const {
+    const int64_t len = std::clamp<int64_t>(K - k0, 0, kKC);
+    std::memcpy(out, w + n * K + k0, len * sizeof(at::BFloat16));
+    std::fill(out + len, out + kKC, at::BFloat16(0.f));
+  }
+  void fetch(int64_t n, int64_t k0) const { fetch_bytes(w + n * K + k0, std::min<int64_t>(K - k0, kKC) * 2); }
+};
+
+struct Int8Rows {
+  const int8_t* w;
+  int64_t K;
+  void row(int64_t n, int64_t k0, at::BFloat16* out) const {  // exact: |w| <= 127 fits bf16's 8 bits
+    const int8_t* src = w + n * K + k0;
+    const int64_t len = std::clamp<int64_t>(K - k0, 0, kKC);
+    int64_t k = 0;
+    for (; k + 32 <= len; k += 32) {
+      const __m128i* at = reinterpret_cast<const __m128i*>(src + k);
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
+      _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    for (; k < len; ++k) out[k] = at::BFloat16(static_cast<float>(src[k]));
+    std::fill(out + len, out + kKC, at::BFloat16(0.f));
+  }
+  void fetch(int64_t n, int64_t k0) const { fetch_bytes(w + n * K + k0, std::min<int64_t>(K - k0, kKC)); }
+};
+
+struct Int4Rows {
+  const uint8_t* packed;
+  const at::Half *scale, *low;
+  int64_t K, Kp;
+  void row(int64_t n, int64_t k0, at::BFloat16* out) const {
+    float sc[kKC / int4::kGroup], lo[kKC / int4::kGroup], values[kKC];
+    const int64_t len = std::clamp<int64_t>(K - k0, 0, kKC), groups = Kp / int4::kGroup;
+    if (len > 0) {  // whole 64-column blocks of the chunk (Kp is a multiple of 64; KC too)
+      const int64_t span = std::min<int64_t>(kKC, Kp - k0);
+      int4::row_params(scale + n * groups + k0 / int4::kGroup, low + n * groups + k0 / int4::kGroup,
+                       span / int4::kGroup, sc, lo);
+      int4::dequantize_row(packed + n * Kp / 2 + k0 / 2, sc, lo, span, values);
+    }
+    int4::store_row(values, out, len);
+    std::fill(out + len, out + kKC, at::BFloat16(0.f));
+  }
+  void fetch(int64_t n, int64_t k0) const {
+    fetch_bytes(packed + n * Kp / 2 + k0 / 2, std::min<int64_t>(Kp - k0, kKC) / 2);
+    fetch_bytes(scale + n * Kp / int4::kGroup + k0 / int4::kGroup, kKC / int4::kGroup * 2);
+    fetch_bytes(low + n * Kp / int4::kGroup + k0 / int4::kGroup, kKC / int4::kGroup * 2);
+  }
+};
+
+// y [M, N] float32 = x @ W^T with W's rows from `source`; xp: x packed (pack_x)
+template <typename Source>
+void product(const Source& source, const std::vector<int32_t>& xp, int64_t M, int64_t N, int64_t Kx, float* y) {
+  const int64_t panels = (N + kNR - 1) / kNR, chunk_ints = (M + kMR - 1) / kMR * kKC / 2 * kMR;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<at::BFloat16> rows(kNR * kKC);
+    std::vector<int32_t> panel(kKC / 2 * kNR);
+    std::vector<float> sums(M * kNR);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kNR, live = std::min(kNR, N - n0);
+      for (int64_t k0 = 0; k0 < Kx; k0 += kKC) {
+        for (int64_t r = 0; r < kNR; ++r) {
+          if (r < live) source.row(n0 + r, k0, rows.data() + r * kKC);
+          else std::fill(rows.data() + r * kKC, rows.data() + (r + 1) * kKC, at::BFloat16(0.f));
+        }
+        pack_panel(rows.data(), panel.data());
+        // the next chunk's rows (this panel's, else the next panel's first) fetched while this one is multiplied:
+        // read as 32 short streams they were otherwise waited for, as long as the products took
+        const int64_t next_k = k0 + kKC < Kx ? k0 + kKC : 0, next_n = k0 + kKC < Kx ? n0 : n0 + kNR;
+        for (int64_t r = 0; r < kNR && next_n + r < N && (next_k > 0 || p + 1 < p1); ++r)
+          source.fetch(next_n + r, next_k);
+        tiles(xp.data() + k0 / kKC * chunk_ints, M, panel.data(), k0 == 0, sums.data());
+      }
+      for (int64_t m = 0; m < M; ++m) std::copy(sums.data() + m * kNR, sums.data() + m * kNR + live, y + m * N + n0);
+    }
+  });
+}
+
+}  // namespace
+
+// See the file's legend. Exactly one weight format: w (bf16 or int8, with scale for int8) or packed/scale/low (int4).
+torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torch::Tensor>& w,
+                                const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& packed,
+                                const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a CPU bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), Kx = (K + kKC - 1) / kKC * kKC;
+  const torch::Tensor xc = x.contiguous();
+  const std::vector<int32_t> xp = pack_x(xc.data_ptr<at::BFloat16>(), M, K, Kx);
+  int64_t N;
+  torch::Tensor y32;
+  if (packed.has_value()) {
+    TORCH_CHECK(scale.has_value() && low.has_value() && !w.has_value(), "int4: packed, scale and low");
+    const int4::Int4Args a = int4::check_product(x, *packed, *scale, *low);
+    N = a.N;
+    y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
+    product(Int4Rows{packed->data_ptr<uint8_t>(), scale->data_ptr<at::Half>(), low->data_ptr<at::Half>(), K, a.Kp},
+            xp, M, N, Kx, y32.data_ptr<float>());
+  } else {
+    TORCH_CHECK(w.has_value() && w->dim() == 2 && w->size(1) == K && w->is_contiguous() && w->device().is_cpu(),
+                "w must be a contiguous CPU [N, K]");
+    N = w->size(0);
+    y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
+    if (w->scalar_type() == at::kChar) {
+      TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N,
+                  "int8 needs scale [N] float32");
+      product(Int8Rows{w->data_ptr<int8_t>(), K}, xp, M, N, Kx, y32.data_ptr<float>());
+      y32.mul_(*scale);
+    } else {
+      TORCH_CHECK(w->scalar_type() == at::kBFloat16 && !scale.has_value(), "w must be bf16, or int8 with scale");
+      product(Bf16Rows{w->data_ptr<at::BFloat16>(), K}, xp, M, N, Kx, y32.data_ptr<float>());
+    }
+  }
+  if (bias.has_value()) y32.add_(bias->to(at::kFloat));
+  return y32.to(at::kBFloat16);
+}
+
+#endif  // AVX512-BF16
