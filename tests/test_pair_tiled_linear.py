@@ -76,12 +76,12 @@ def test_bad_arguments_are_refused():
 
 
 @pytest.mark.parametrize("weight_format", ["bfloat16", "int8", "int4"])
-def test_offered_for_bf16_batches_only(weight_format):
+def test_offered_for_bf16_batches_of_2_to_64_rows(weight_format):
     def offered(max_rows: int, compute: torch.dtype | None) -> bool:
         return "native.pairs" in candidates(weight_format, True, 64, max_rows, native, compute=compute)
 
-    assert offered(8, torch.bfloat16) and offered(64, torch.bfloat16) and offered(1 << 62, None)
-    assert not offered(1, torch.bfloat16) and not offered(64, torch.float32)
+    assert offered(8, torch.bfloat16) and offered(64, torch.bfloat16) and offered(64, None)
+    assert not offered(1, torch.bfloat16) and not offered(1 << 62, torch.bfloat16) and not offered(64, torch.float32)
     assert "native.pairs" not in candidates("w8a8", True, 64, 64, native, compute=torch.bfloat16)
 
 

@@ -120,8 +120,7 @@ __attribute__((always_inline)) inline void weigh_heads(int sv, const at::BFloat1
 template <int DP>
 void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, const at::BFloat16* values,
                  const int64_t* table, int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G,
-                 int64_t block_size,
-                 std::vector<float>& scores, float* acc) {
+                 int64_t block_size, std::vector<float>& scores, float* acc) {
   constexpr int64_t Dh = 32 * DP;
   const int64_t Q = nkh * G, stride = K * Dh;
   const int64_t runs = (T_len + block_size - 1) / block_size * ((block_size + kRun - 1) / kRun);
@@ -146,7 +145,7 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
                               }
                             });
   // the numerators e^(s - max) in place as bf16, summed per head in float32 (lanes past a run's n: exactly 0)
-  std::vector<float> sums(Q * kRun, 0.f);
+  std::vector<float> sums(Q);
   for (int64_t h = 0; h < Q; ++h) {
     const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(maxes.data() + h * kRun)));
     __m512 sum = _mm512_setzero_ps();

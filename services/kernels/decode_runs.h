@@ -65,7 +65,7 @@ inline void score_heads(const float* qf, const T* k, int64_t G, int64_t Dh, floa
 // L2 cache. Why by parts: one run of a whole token row (K 8 x Dh 64 bf16) is 16 KB, 256 lines; asked for in one burst
 // at the start of a run, most of them found the outstanding-miss queues full and came later as demand misses, and
 // into L1 they pushed out the run being read (32 KB on a Zen 4). One bf16 layer of 32 sequences x 1,024 tokens, 2
-// threads of an AMD EPYC Zen 4, from memory: 5.8-7.3 ms a burst into L2, 3.9-4.1 ms by parts (decode_pairs.h).
+// threads of an AMD EPYC Zen 4, from memory: 5.8-7.3 ms a burst into L2, 3.3-3.5 ms by parts (decode_pairs.h).
 template <typename T>
 struct NextRun {
   const T* first;  // its first row (kv head kh on), nullptr past the context

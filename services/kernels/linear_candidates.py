@@ -182,8 +182,10 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     `in_features` columns for batches of up to `max_rows` rows, on the CPU or not; `packed`: offer oneDNN's
     packed copy of a dense weight (onednn_packs.py: it costs the weight's memory again); `compute`: x's dtype
     (None: any, every kernel named)."""
-    # W converted once a call into bf16 pair panels, register tiles of vdpbf16ps (AVX512-BF16 builds, bf16 x)
-    pairs = (on_cpu and native is not None and max_rows > 1 and hasattr(native, "pair_tiled_linear")
+    # W converted once a call into bf16 pair panels, register tiles of vdpbf16ps (AVX512-BF16 builds, bf16 x), for
+    # batches: at 1,024 rows it lost to dequantize + oneDNN (int8 16384 x 2048, Zen 4: 276 vs 207 ms), which the
+    # 65+ bucket's 128-row probe would not see (27 vs 39 ms there)
+    pairs = (on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "pair_tiled_linear")
              and compute in (None, torch.bfloat16) and weight_format in ("int8", "int4", "bfloat16"))
     # many rows on a CPU: also the product in float32 (the 16-bit one is slow where the CPU lacks
     # 16-bit matrix instructions; elsewhere timing drops it)
