@@ -47,7 +47,7 @@ class HugePageArena:
     def zeros(cls, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A CPU tensor of zeros in an arena of its own, or None where huge pages cannot be had. Its pages are
         written now, as torch.zeros' are: the memory is taken at start, not by the first steps that write there."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         arena = cls.create(max(nbytes, 1))
         if arena is None:
             return None

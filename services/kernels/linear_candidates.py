@@ -182,11 +182,18 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     `in_features` columns for batches of up to `max_rows` rows, on the CPU or not; `packed`: offer oneDNN's
     packed copy of a dense weight (onednn_packs.py: it costs the weight's memory again); `compute`: x's dtype
     (None: any, every kernel named)."""
+    found = _format_candidates(weight_format, on_cpu, in_features, max_rows, native, packed)
     # W converted once a call into bf16 pair panels, register tiles of vdpbf16ps (AVX512-BF16 builds, bf16 x), for
     # batches: at 1,024 rows it lost to dequantize + oneDNN (int8 16384 x 2048, Zen 4: 276 vs 207 ms), which the
     # 65+ bucket's 128-row probe would not see (27 vs 39 ms there)
-    pairs = (on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "pair_tiled_linear")
-             and compute in (None, torch.bfloat16) and weight_format in ("int8", "int4", "bfloat16"))
+    if (on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "pair_tiled_linear")
+            and compute in (None, torch.bfloat16) and weight_format in ("int8", "int4", "bfloat16")):
+        found["native.pairs"] = _native_pairs(native.pair_tiled_linear)
+    return found
+
+
+def _format_candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int,
+                       native: ModuleType | None, packed: bool) -> dict[str, LinearFn]:
     # many rows on a CPU: also the product in float32 (the 16-bit one is slow where the CPU lacks
     # 16-bit matrix instructions; elsewhere timing drops it)
     upcast = on_cpu and max_rows > 1
@@ -211,8 +218,6 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
             # W dequantized whole (to x's dtype), then the float32 register tiles below (AVX2 hosts)
             found["dequant.tiled"] = _int4_dequant_linear(native, None, _native_tiled(native.tiled_linear))
-        if pairs:
-            found["native.pairs"] = _native_pairs(native.pair_tiled_linear)
         return found
     if weight_format == "w8a8" and on_cpu:
         # every product rounds its activations, whatever its row count: a request's answer must not depend on
@@ -252,6 +257,4 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
         # built on AVX2 CPUs: W read once for all rows, in float32 register tiles (batched decode and prefill)
         found["native.tiled"] = _native_tiled(native.tiled_linear)
-    if pairs:
-        found["native.pairs"] = _native_pairs(native.pair_tiled_linear)
     return found

@@ -109,13 +109,15 @@ inline void tiles(const int32_t* xs, int64_t M, const int32_t* panel, bool first
 inline std::vector<int32_t> pack_x(const at::BFloat16* x, int64_t M, int64_t K, int64_t Kx) {
   const int64_t tiles = (M + kMR - 1) / kMR;
   std::vector<int32_t> xp(Kx / kKC * tiles * kKC / 2 * kMR, 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; k += 2) {
-      uint16_t pair[2] = {0, 0};
-      std::memcpy(pair, x + m * K + k, (k + 1 < K ? 2 : 1) * sizeof(at::BFloat16));
-      const int64_t chunk = k / kKC, j = (k % kKC) / 2;
-      std::memcpy(&xp[((chunk * tiles + m / kMR) * kKC / 2 + j) * kMR + m % kMR], pair, 4);
+  std::vector<at::BFloat16> row(Kx, at::BFloat16(0.f));  // one row of x, zeros past K: Kx / 2 pairs
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(row.data());
+  for (int64_t m = 0; m < M; ++m) {
+    std::copy(x + m * K, x + (m + 1) * K, row.begin());
+    for (int64_t chunk = 0; chunk < Kx / kKC; ++chunk) {
+      int32_t* to = xp.data() + (chunk * tiles + m / kMR) * kKC / 2 * kMR + m % kMR;
+      for (int64_t j = 0; j < kKC / 2; ++j) to[j * kMR] = pairs[chunk * kKC / 2 + j];
     }
+  }
   return xp;
 }
 
