@@ -40,6 +40,7 @@ from benchmarks.cpu_contention import CpuMeter, wait_for_quiet
 from benchmarks.model_folders import describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
 from services import Engine, SamplingParams
+from services.engine_config import QUANTIZATIONS
 from services.model_config import ModelConfig
 
 TARGETS = {"decode_mbu": 0.60, "prefill_mfu": 0.50, "batch_speedup": 10.0}
@@ -195,7 +196,7 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="serving dtypes to measure (default: both)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"],
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", *QUANTIZATIONS],
                         help="weight formats to measure, each with every --dtype (default none)")
     parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
                         help="how the engine picks its kernels (default auto: measured on this host)")

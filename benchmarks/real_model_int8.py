@@ -1,4 +1,4 @@
-"""A real model in 16 bits, int8 and int4: load time, batch-1 decode time per token, and how far the
+"""A real model in 16 bits, int8, int4 and w4a8: load time, batch-1 decode time per token, and how far the
 quantized weights move the model on real text (docs/models.md).
 
 For the default model (SmolLM2-135M-Instruct, a Q4_1 GGUF) or any `--model`: the time to convert the GGUF
@@ -103,7 +103,7 @@ def main() -> None:
     converted_s, load_s = convert_and_load(args.model) if args.model.endswith(".gguf") else (None, None)
     options = dict(max_model_len=512, enable_prefix_caching=False, num_threads=args.threads)
     variants = {"float32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
-                "int4": ("bfloat16", "int4")}
+                "int4": ("bfloat16", "int4"), "w4a8": ("bfloat16", "w4a8")}
     engines = {name: Engine(model=args.model, dtype=d, quantization=q, **options) for name, (d, q) in variants.items()}
     # the text fed one token a step: every product has one row, as in decode (where the plan's few-row kernels
     # run: on AVX2 CPUs the x16 ones), not prefill's dequantized dense products
@@ -121,7 +121,8 @@ def main() -> None:
     logprobs = {name: text_logprobs(engine, ids) for name, engine in {**engines, **stepwise}.items()}
     quality = {}
     for variant, reference in (("bf16", "float32"), ("int8", "float32"), ("int8", "bf16"), ("int4", "float32"),
-                               ("int4", "bf16"), *((name, "float32") for name in stepwise)):
+                               ("int4", "bf16"), ("w4a8", "float32"), ("w4a8", "int4"),
+                               *((name, "float32") for name in stepwise)):
         ours, theirs = logprobs[variant], logprobs[reference]
         quality[f"{variant} vs {reference}"] = (
             sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(ours, theirs)) / len(ours),

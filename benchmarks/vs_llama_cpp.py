@@ -161,8 +161,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--pdserve", nargs="*", default=["bfloat16", "int8", "int4"],
                         choices=["float32", "bfloat16", *QUANTIZATIONS],
-                        help="pdserve modes: float32, bfloat16, int8 / int4 / w8a8 (bf16 compute; int8 / int4 "
-                             "weights; w8a8: int8 weights and int8 activations)")
+                        help="pdserve modes: float32, bfloat16, int8 / int4 / w8a8 / w4a8 (bf16 compute; int8 / "
+                             "int4 weights; w8a8 / w4a8: int8 / int4 weights and int8 activations)")
     parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0", "q4_0"], choices=["f16", "q8_0", "q4_0"],
                         help="GGUF types (default all three; the flag alone: no llama.cpp)")
     parser.add_argument("--transformers", nargs="*", default=["bfloat16"], choices=["bfloat16", "float32"],

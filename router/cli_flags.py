@@ -18,7 +18,9 @@ def kernel_flags(parser: argparse.ArgumentParser) -> None:
                         help="quantization of the linear layers, made at load: weight-only int8 (per output "
                              "channel) or int4 (per 32 columns, lm_head int8); w8a8: int8 weights, and every product "
                              "rounds each activation row to int8 too (int8 x int8: fast prefill; for decode "
-                             "workers int8 is faster)")
+                             "workers int8 is faster); w4a8: int4 weights, and every product rounds the activations "
+                             "to int8 per 32 columns (llama.cpp's Q4 arithmetic: int8 dot products on AVX512-VNNI "
+                             "CPUs, a faster prefill than int4's, slightly less accurate)")
     parser.add_argument("--kernels", choices=KERNEL_MODES, default=None,
                         help="auto (default, or $PDSERVE_KERNELS): the fastest kernels measured on this host "
                              "(cached); torch: torch's only; native: the native CPU kernels wherever they run")

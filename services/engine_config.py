@@ -9,8 +9,8 @@ from services.model_config import ModelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # made at load from any checkpoint (services/quantized_weight.py): weight-only int8 and int4, and
-# int8 weights whose products quantize the activations too (w8a8)
-QUANTIZATIONS = ("int8", "int4", "w8a8")
+# int8 / int4 weights whose products quantize the activations too (w8a8: per row; w4a8: per 32-column group)
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 KERNEL_MODES = ("auto", "torch", "native")  # how linear/attention kernels are chosen (services/kernels/)
 
 

@@ -20,6 +20,7 @@ the block's low nibbles, e' >= 32 byte e' - 32's high nibbles.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -98,11 +99,12 @@ class Int4Weight:
         return self.packed.numel() + 2 * self.scale.numel() * self.scale.element_size()
 
     def to(self, device: torch.device) -> Int4Weight:
-        return Int4Weight(self.packed.to(device), self.scale.to(device), self.low.to(device), self.in_features)
+        return dataclasses.replace(self, packed=self.packed.to(device), scale=self.scale.to(device),
+                                   low=self.low.to(device))
 
     def with_packed(self, packed: torch.Tensor) -> Int4Weight:
         """The same weight reading its nibbles from `packed` (a copy placed elsewhere, e.g. huge pages)."""
-        return Int4Weight(packed, self.scale, self.low, self.in_features)
+        return dataclasses.replace(self, packed=packed)
 
 
 def _rounded(values: torch.Tensor, down: bool) -> torch.Tensor:

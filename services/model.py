@@ -65,7 +65,7 @@ class LlamaModel:
         self.final_norm = weights["model.norm.weight"]
         # int4 keeps the output projection in int8, as llama.cpp's 4-bit files keep theirs in 6-8 bits: on
         # SmolLM2-135M an int4 lm_head alone moved the text's logprobs by 0.30 (int8: 0.03; docs/engine.md)
-        head_quantization = "int8" if quantization == "int4" else quantization
+        head_quantization = "int8" if quantization in ("int4", "w4a8") else quantization
         self.lm_head = quantize(self.embed if config.tie_word_embeddings else weights.pop("lm_head.weight"),
                                 head_quantization)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]

@@ -5,7 +5,9 @@ int4 (services/int4_weight.py) takes 0.625 bytes a weight. Activations, the KV c
 hand-off stay in the compute dtype: only the weights change. Except in "w8a8": the same int8 weights,
 whose products on a CPU also round each activation row to int8 (dynamic, symmetric) and multiply int8 x int8
 (VNNI/AMX: many-row products, i.e. prefill and batched decode, are compute-bound) — every product, whatever
-its row count, so an answer never depends on how many rows shared its step.
+its row count, so an answer never depends on how many rows shared its step. And "w4a8": int4's weights, whose
+products round x to int8 per 32-column group (llama.cpp's Q4 arithmetic), stored in panels for int8 dot products
+(services/w4a8_weight.py, services/kernels/w4a8_candidates.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from services.engine_config import QUANTIZATIONS
 from services.int4_weight import Int4Weight
+from services.w4a8_weight import W4A8Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +58,7 @@ class Int8Weight:
         return dataclasses.replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device))
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+QuantizedWeight = Int8Weight | Int4Weight  # W4A8Weight is an Int4Weight in another layout
 
 
 def quantize(weight: torch.Tensor, quantization: str | None) -> torch.Tensor | QuantizedWeight:
@@ -66,4 +69,6 @@ def quantize(weight: torch.Tensor, quantization: str | None) -> torch.Tensor | Q
         return Int8Weight.quantize(weight, dynamic_activations=quantization == "w8a8")
     if quantization == "int4":
         return Int4Weight.quantize(weight)
+    if quantization == "w4a8":
+        return W4A8Weight.quantize(weight)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")

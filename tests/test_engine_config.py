@@ -35,7 +35,7 @@ def test_bad_settings_are_refused_and_sizes_resolve():
 
 
 def test_quantization_and_kernels_are_validated_and_kernels_default_from_the_environment(monkeypatch):
-    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8 or None, got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8, w4a8 or None, got 'int3'"):
         EngineConfig(model="x", quantization="int3")
     with pytest.raises(ValueError, match="kernels must be one of auto, torch, native, got 'fast'"):
         EngineConfig(model="x", kernels="fast")

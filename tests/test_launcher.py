@@ -150,7 +150,7 @@ def test_cli_quantization_per_role(tiny_path):
                        role_engine_options={"prefill": {"quantization": None}})
     assert spec.options_for("prefill") == {"quantization": None}
     assert spec.options_for("decode") == {"quantization": "int8"}
-    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8 or None"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8, w4a8 or None"):
         ClusterSpec(model=str(tiny_path), role_engine_options={"decode": {"quantization": "int2"}})
 
 

@@ -87,7 +87,7 @@ def test_the_x16_kernels_compute_the_weight_only_model(stories_path, quantizatio
     assert error <= 0.005 and agree >= 0.99, (error, agree)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8", "w4a8"])
 def test_full_precision_prefill_hands_kv_to_a_quantized_decode(tiny_path, quantization):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     out = prefill(Engine(tiny_path, dtype="float32"), params)

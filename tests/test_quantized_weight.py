@@ -78,7 +78,7 @@ def test_quantize_names_the_formats():
     assert quantize(w, None) is w
     assert isinstance(quantize(w, "int8"), Int8Weight) and not quantize(w, "int8").dynamic_activations
     assert quantize(w, "w8a8").dynamic_activations
-    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8 or None, got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8, w4a8 or None, got 'int3'"):
         quantize(w, "int3")
 
 

@@ -29,7 +29,7 @@ def test_copies_are_exact_and_aligned():
         arena.copy(torch.ones(1))
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "w4a8"])
 def test_the_model_streams_its_matrices_from_the_arena(tiny_path, quantization):
     model = Engine(tiny_path, quantization=quantization).runner.model
 

@@ -23,6 +23,8 @@ torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const
 torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torch::Tensor>& w,
                                 const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& packed,
                                 const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
+torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
@@ -69,6 +71,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(packed, scale, low): W converted once a call into bf16 pair panels, vdpbf16ps register tiles "
         "(AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("packed"), py::arg("low"), py::arg("bias"));
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("w4a8_linear", &w4a8_linear,
+        "y[M, N] = x_q[M, K] @ W^T (+ bias[N]), W group-wise int4 in 16-row panels (w4a8_weight.py), x rounded to "
+        "int8 per 32-column group (w4a8_candidates.py), the products by vpdpbusd in int32, scaled per group "
+        "(AVX512-VNNI CPUs)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("bias"));
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,

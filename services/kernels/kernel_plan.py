@@ -32,6 +32,7 @@ from services.kernels.cold_cache import ColdCache
 from services.kernels.linear_candidates import LinearFn, candidates
 from services.kernels.onednn_packs import ONEDNN_PACKS, fits
 from services.quantized_weight import Int8Weight
+from services.w4a8_weight import W4A8Weight
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ def bucket_of(rows: int) -> int:
 def weight_key(weight: torch.Tensor | Int8Weight | Int4Weight) -> tuple:
     if isinstance(weight, Int8Weight):
         return (*weight.shape, "w8a8" if weight.dynamic_activations else "int8")
-    fmt = "int4" if isinstance(weight, Int4Weight) else str(weight.dtype).removeprefix("torch.")
-    return (*weight.shape, fmt)
+    if isinstance(weight, Int4Weight):  # W4A8Weight first: it is an Int4Weight in its own layout
+        return (*weight.shape, "w4a8" if isinstance(weight, W4A8Weight) else "int4")
+    return (*weight.shape, str(weight.dtype).removeprefix("torch."))
 
 
 @dataclass
@@ -121,9 +123,10 @@ class KernelPlan:
                 found = candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b], native, packed,
                                    compute=dtype)
                 if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
-                    # the native kernel where it runs (few rows), else w8a8's own product, else the first
-                    # (torch.linear / dequant.linear)
-                    name = next((n for n in ("native", "int8.dynamic") if n in found), next(iter(found)))
+                    # the native kernel where it runs (few rows), else w4a8's or w8a8's own product (every row
+                    # count), else the first (torch.linear / dequant.linear)
+                    name = next((n for n in ("native", "native.w4a8", "int8.dynamic") if n in found),
+                                next(iter(found)))
                     found = {name: found[name]}
                 entry = f"linear {'x'.join(map(str, key[:-1]))} {key[-1]} rows {BUCKETS[b]} among {','.join(sorted(found))}"
                 name = cache.get(entry, found)
@@ -140,6 +143,10 @@ class KernelPlan:
             log.warning("w8a8 on a CPU without int8 dot-product instructions (VNNI, AMX): every product runs torch's "
                         "reference int8 loop (measured on an AVX2-only AMD EPYC: 11 s for one 1,024-row 16384 x 2048 "
                         "product, 23x float32's); --quantization int8 keeps the memory saving at full speed")
+        if device.type == "cpu" and any(key[-1] == "w4a8" for key in choices) and not hasattr(native, "w4a8_linear"):
+            log.warning("w4a8 without its int8 dot-product kernel (built on CPUs with AVX512-VNNI): every product "
+                        "rounds x and dequantizes its weight in torch's operators; --quantization int4 keeps the "
+                        "memory saving at full speed")
         attention = prefill = "torch"
         if native is not None:
             attention, prefill, timed = attention_choice.choose(native, cache, attention_shape, dtype, mode, _fastest)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from services.int4_weight import GROUP, Int4Weight
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.onednn_packs import ONEDNN_PACKS
+from services.kernels.w4a8_candidates import w4a8_candidates
 from services.quantized_weight import Int8Weight
 
 LinearFn = Callable[[torch.Tensor, "torch.Tensor | Int8Weight | Int4Weight", "torch.Tensor | None"], torch.Tensor]
@@ -178,10 +179,12 @@ def _parts_name(kernel: str, streams: int, non_temporal: bool) -> str:
 
 def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None,
                packed: bool = False, compute: torch.dtype | None = None) -> dict[str, LinearFn]:
-    """The kernels that can run a weight of `weight_format` ("int8", "w8a8", "int4", else a dense dtype) and
+    """The kernels that can run a weight of `weight_format` ("int8", "w8a8", "int4", "w4a8", else a dense dtype) and
     `in_features` columns for batches of up to `max_rows` rows, on the CPU or not; `packed`: offer oneDNN's
     packed copy of a dense weight (onednn_packs.py: it costs the weight's memory again); `compute`: x's dtype
     (None: any, every kernel named)."""
+    if weight_format == "w4a8":  # x rounded to int8 per group, then int8 dot products (or the definition's torch ops)
+        return w4a8_candidates(native, on_cpu)
     found = _format_candidates(weight_format, on_cpu, in_features, max_rows, native, packed)
     # W converted once a call into bf16 pair panels, register tiles of vdpbf16ps (AVX512-BF16 builds, bf16 x), for
     # batches: at 1,024 rows it lost to dequantize + oneDNN (int8 16384 x 2048, Zen 4: 276 vs 207 ms), which the

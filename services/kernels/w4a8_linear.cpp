@@ -1,0 +1,316 @@
+// w4a8: group-wise int4 weights times activations rounded to int8 per 32-column group (llama.cpp's Q4 arithmetic),
+// y = x_q @ W^T (+ bias), the products exact in int32 (vpdpbusd) and scaled per group in float32.
+//
+// Legend: M rows of x, K input features, N output features, G = 32 columns per group (W's and x's alike),
+// Kp = K padded to whole 64-column blocks, P = ceil(N / 16) panels of 16 W rows, NR = 32 W rows (two panels) per
+// register tile, KC = 128 columns per chunk, MR <= 4 rows of x per register tile.
+//   x:      [M, K]          bfloat16 or float32; each group of 32 columns of a row rounded to int8:
+//           s = max |x| / 127, x_q = round(x / s) * s (halves to even; an all-zero group stays zero)
+//   packed: [P, Kp / 8, 16, 4] uint8 (services/w4a8_weight.py): panel p, column octet o, lane r (W row 16p + r),
+//           byte i: q[16p + r, 8o + i] in the low nibble, q[16p + r, 8o + 4 + i] in the high one
+//   scale, low: [P, Kp / G, 16] float16: w[n, k] = q[n, k] * scale + low of row n's group k / G, q in 0..15
+//   y:      [M, N]          x's dtype
+//   xq, xs, xz:             x rounded: int8 values, each group's s, and s * the group's sum of int8 values
+//
+// y[m, n] = sum over groups g of  scale[n, g] * s[m, g] * (sum_k q[n, k] * xi[m, k])  +  low[n, g] * s[m, g] * sum_k xi[m, k]
+// where xi is x's int8 value: the first sum is one vpdpbusd per 4 columns (q unsigned, xi signed), exact in int32.
+// Every output is one float32 chain over g in that order, the same in both paths below (few rows: W's nibbles
+// widened in registers; many: a chunk of two panels widened once into L1 and multiplied in register tiles), so a
+// product's result never depends on its row count. Why: a compute-bound product (prefill, big batches) on a CPU with
+// AVX512-VNNI multiplies 64 int8 pairs per instruction against vdpbf16ps's 32 bf16 pairs (AMD EPYC Zen 4, 2 threads:
+// 445 against 225 per ns); W stored in panels needs no transposes, and one row streams W at ~0.08 instructions a weight.
+// The rounding of x is defined in services/kernels/w4a8_candidates.py (fake_quantize_groups), tested against this.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+// One group's scale s and its int8 values: v [32] float32 (zeros past the row's end) -> q [32], s returned.
+inline float round_group(const float* v, int8_t* q) {
+  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float s = amax / 127.f;
+  // vcvtps2dq rounds halves to even (the default rounding mode), as torch.round does
+  const __m512 d = _mm512_set1_ps(amax > 0.f ? s : 1.f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(v0, d)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(v1, d));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+  return s;
+}
+
+// Group `k0` of row x [K] as float32 into v [32], zeros past K.
+template <typename T>
+inline void load_group(const T* x, int64_t K, int64_t k0, float* v) {
+  const int64_t len = std::min(kGroup, K - k0);
+  for (int64_t k = 0; k < len; ++k) v[k] = static_cast<float>(x[k0 + k]);
+  std::fill(v + len, v + kGroup, 0.f);
+}
+
+constexpr int64_t kPanel = 16, kNR = 2 * kPanel, kKC = 128, kMR = 4, kChunkGroups = kKC / kGroup;
+constexpr int64_t kDirectRows = 8;  // up to this many rows of x: the few-row path
+
+struct Weights {
+  const uint8_t* packed;
+  const at::Half *scale, *low;
+  int64_t N, Kp, panels;
+  const uint8_t* octet(int64_t p, int64_t o) const { return packed + (p * Kp / 8 + o) * 64; }
+  __m512 group_scale(int64_t p, int64_t g) const { return halves(scale + (p * Kp / kGroup + g) * kPanel); }
+  __m512 group_low(int64_t p, int64_t g) const { return halves(low + (p * Kp / kGroup + g) * kPanel); }
+  static __m512 halves(const at::Half* h) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))); }
+};
+
+// One octet of a panel (64 bytes) as two vectors of 16 lanes, each lane four q of its row: columns 8o .. 8o + 3 (lo)
+// and 8o + 4 .. 8o + 7 (hi).
+inline void widen(const uint8_t* octet, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_loadu_si512(octet), mask = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(v, mask);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+}
+
+// acc = fma(low, z, fma(float(dot), scale * s, acc)): one group's step of every output's chain
+inline __m512 group_step(__m512i dot, __m512 scale, __m512 low, float s, float z, __m512 acc) {
+  return _mm512_fmadd_ps(low, _mm512_set1_ps(z), _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(s)), acc));
+}
+
+struct RoundedRows {  // few rows: x rounded, row-major
+  std::vector<int8_t> q;  // [M, Kp]
+  std::vector<float> s, z;  // [M, Kp / G]
+};
+
+template <typename T>
+RoundedRows round_rows(const T* x, int64_t M, int64_t K, int64_t Kp) {
+  RoundedRows r{std::vector<int8_t>(M * Kp, 0), std::vector<float>(M * Kp / kGroup, 0.f), {}};
+  r.z.assign(r.s.size(), 0.f);
+  alignas(64) float v[kGroup];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+      load_group(x + m * K, K, k0, v);
+      int8_t* q = r.q.data() + m * Kp + k0;
+      const float s = round_group(v, q);
+      int32_t total = 0;
+      for (int64_t k = 0; k < kGroup; ++k) total += q[k];
+      r.s[m * Kp / kGroup + k0 / kGroup] = s;
+      r.z[m * Kp / kGroup + k0 / kGroup] = s * static_cast<float>(total);
+    }
+  return r;
+}
+
+// out [live] = sums [live] (+ bias [live]), rounded once to out's dtype
+inline void store_row(const float* sums, const float* bias, int64_t live, float* out) {
+  for (int64_t r = 0; r < live; ++r) out[r] = sums[r] + (bias ? bias[r] : 0.f);
+}
+inline void store_row(const float* sums, const float* bias, int64_t live, at::BFloat16* out) {
+#if defined(__AVX512BF16__)
+  for (int64_t r = 0; r < live; r += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, live - r)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(lanes, sums + r);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias + r));
+    _mm256_mask_storeu_epi16(out + r, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+#else
+  for (int64_t r = 0; r < live; ++r) out[r] = static_cast<at::BFloat16>(sums[r] + (bias ? bias[r] : 0.f));
+#endif
+}
+
+// Few rows (M <= kDirectRows): each thread streams its panels once per kMR rows of x, widening W in registers.
+template <int MR, typename T>
+void panel_rows(const Weights& w, const RoundedRows& x, int64_t m0, int64_t p, const float* bias, T* y) {
+  const int64_t groups = w.Kp / kGroup;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[MR];
+    for (int m = 0; m < MR; ++m) dot[m] = _mm512_setzero_si512();
+    for (int64_t o = 4 * g; o < 4 * g + 4; ++o) {
+      __builtin_prefetch(w.octet(p, o) + 1024, 0, 3);  // 16 octets (two groups) ahead in this panel's stream
+      __m512i lo, hi;
+      widen(w.octet(p, o), lo, hi);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = x.q.data() + (m0 + m) * w.Kp + 8 * o;
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq)));
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + 4)));
+      }
+    }
+    const __m512 scale = w.group_scale(p, g), low = w.group_low(p, g);
+    for (int m = 0; m < MR; ++m)
+      acc[m] = group_step(dot[m], scale, low, x.s[(m0 + m) * groups + g], x.z[(m0 + m) * groups + g], acc[m]);
+  }
+  const int64_t live = std::min(kPanel, w.N - p * kPanel);
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float sums[kPanel];
+    _mm512_store_ps(sums, acc[m]);
+    store_row(sums, bias ? bias + p * kPanel : nullptr, live, y + (m0 + m) * w.N + p * kPanel);
+  }
+}
+
+template <typename T>
+void few_rows(const Weights& w, const RoundedRows& x, int64_t M, const float* bias, T* y) {
+  at::parallel_for(0, w.panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMR)
+      for (int64_t p = p0; p < p1; ++p) switch (std::min(kMR, M - m0)) {
+          case 1: panel_rows<1>(w, x, m0, p, bias, y); break;
+          case 2: panel_rows<2>(w, x, m0, p, bias, y); break;
+          case 3: panel_rows<3>(w, x, m0, p, bias, y); break;
+          default: panel_rows<4>(w, x, m0, p, bias, y);
+        }
+  });
+}
+
+// Many rows: per thread, two panels' chunk (NR rows x KC columns) widened into `chunk` [KC / 4, NR] int32 (lane n of
+// entry j: q[n, 4j .. 4j + 3]) with its parameters ws, wl [KC / G, NR], then every tile of x against it.
+inline void widen_chunk(const Weights& w, int64_t p, int64_t k0, int32_t* chunk, float* ws, float* wl) {
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t panel = p + half;
+    for (int64_t o = 0; o < kKC / 8; ++o) {
+      __m512i lo = _mm512_setzero_si512(), hi = lo;
+      if (panel < w.panels && k0 + 8 * o < w.Kp) widen(w.octet(panel, k0 / 8 + o), lo, hi);
+      _mm512_storeu_si512(chunk + (2 * o) * kNR + kPanel * half, lo);
+      _mm512_storeu_si512(chunk + (2 * o + 1) * kNR + kPanel * half, hi);
+    }
+    for (int64_t g = 0; g < kChunkGroups; ++g) {
+      const bool live = panel < w.panels && k0 + g * kGroup < w.Kp;
+      _mm512_storeu_ps(ws + g * kNR + kPanel * half, live ? w.group_scale(panel, k0 / kGroup + g) : _mm512_setzero_ps());
+      _mm512_storeu_ps(wl + g * kNR + kPanel * half, live ? w.group_low(panel, k0 / kGroup + g) : _mm512_setzero_ps());
+    }
+  }
+}
+
+// sums [MR, NR] (+)= x's tile . chunk, group by group (group_step)
+template <int MR>
+inline void tile(const int32_t* xq, const float* xs, const float* xz, const int32_t* chunk, const float* ws,
+                 const float* wl, bool first, float* sums) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) acc[m][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kNR + 16 * h);
+  for (int64_t g = 0; g < kChunkGroups; ++g) {
+    __m512i dot[MR][2];
+    for (int m = 0; m < MR; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
+    for (int64_t j = g * kGroup / 4; j < (g + 1) * kGroup / 4; ++j) {
+      const __m512i w0 = _mm512_loadu_si512(chunk + j * kNR), w1 = _mm512_loadu_si512(chunk + j * kNR + 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xb = _mm512_set1_epi32(xq[j * kMR + m]);
+        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xb);
+        dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xb);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_loadu_ps(ws + g * kNR + 16 * h), low = _mm512_loadu_ps(wl + g * kNR + 16 * h);
+      for (int m = 0; m < MR; ++m) acc[m][h] = group_step(dot[m][h], scale, low, xs[g * kMR + m], xz[g * kMR + m], acc[m][h]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(sums + m * kNR + 16 * h, acc[m][h]);
+}
+
+struct TiledX {  // many rows: x rounded, in tile order
+  std::vector<int32_t> q;  // [Kx / KC, tiles, KC / 4, MR]: four int8 of x in each, zeros past K and past M
+  std::vector<float> s, z;  // [Kx / KC, tiles, KC / G, MR]
+  int64_t tiles;
+};
+
+template <typename T>
+TiledX tile_x(const T* x, int64_t M, int64_t K, int64_t Kx) {
+  TiledX p;
+  p.tiles = (M + kMR - 1) / kMR;
+  p.q.assign(Kx / kKC * p.tiles * kKC / 4 * kMR, 0);
+  p.s.assign(Kx / kKC * p.tiles * kChunkGroups * kMR, 0.f);
+  p.z.assign(p.s.size(), 0.f);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    alignas(64) float v[kGroup];
+    alignas(64) int8_t q[kGroup];
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+        const int64_t g = k0 % kKC / kGroup, tile_at = k0 / kKC * p.tiles + m / kMR;
+        load_group(x + m * K, K, k0, v);
+        const float s = round_group(v, q);
+        int32_t total = 0;
+        for (int64_t k = 0; k < kGroup; ++k) total += q[k];
+        const int32_t* words = reinterpret_cast<const int32_t*>(q);
+        for (int64_t j = 0; j < kGroup / 4; ++j) p.q[(tile_at * kKC / 4 + g * kGroup / 4 + j) * kMR + m % kMR] = words[j];
+        p.s[(tile_at * kChunkGroups + g) * kMR + m % kMR] = s;
+        p.z[(tile_at * kChunkGroups + g) * kMR + m % kMR] = s * static_cast<float>(total);
+      }
+  });
+  return p;
+}
+
+template <typename T>
+void many_rows(const Weights& w, const TiledX& x, int64_t M, int64_t Kx, const float* bias, T* y) {
+  const int64_t pairs = (w.panels + 1) / 2, q_chunk = x.tiles * kKC / 4 * kMR, s_chunk = x.tiles * kChunkGroups * kMR;
+  at::parallel_for(0, pairs, 1, [&](int64_t a0, int64_t a1) {
+    std::vector<int32_t> chunk(kKC / 4 * kNR);
+    std::vector<float> ws(kChunkGroups * kNR), wl(kChunkGroups * kNR), sums(M * kNR);
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t n0 = a * kNR, live = std::min(kNR, w.N - n0);
+      for (int64_t k0 = 0; k0 < Kx; k0 += kKC) {
+        widen_chunk(w, 2 * a, k0, chunk.data(), ws.data(), wl.data());
+        const int64_t c = k0 / kKC;
+        for (int64_t t = 0; t < x.tiles; ++t) {
+          const int32_t* xq = x.q.data() + c * q_chunk + t * kKC / 4 * kMR;
+          const float *xs = x.s.data() + c * s_chunk + t * kChunkGroups * kMR, *xz = x.z.data() + (xs - x.s.data());
+          float* out = sums.data() + t * kMR * kNR;
+          switch (std::min(kMR, M - t * kMR)) {
+            case 1: tile<1>(xq, xs, xz, chunk.data(), ws.data(), wl.data(), k0 == 0, out); break;
+            case 2: tile<2>(xq, xs, xz, chunk.data(), ws.data(), wl.data(), k0 == 0, out); break;
+            case 3: tile<3>(xq, xs, xz, chunk.data(), ws.data(), wl.data(), k0 == 0, out); break;
+            default: tile<4>(xq, xs, xz, chunk.data(), ws.data(), wl.data(), k0 == 0, out);
+          }
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) store_row(sums.data() + m * kNR, bias ? bias + n0 : nullptr, live, y + m * w.N + n0);
+    }
+  });
+}
+
+template <typename T>
+void product(const Weights& w, const T* x, int64_t M, int64_t K, const float* bias, T* y) {
+  if (M <= kDirectRows) {
+    few_rows(w, round_rows(x, M, K, w.Kp), M, bias, y);
+  } else {
+    const int64_t Kx = (w.Kp + kKC - 1) / kKC * kKC;
+    many_rows(w, tile_x(x, M, K, Kx), M, Kx, bias, y);
+  }
+}
+
+}  // namespace
+
+// See the file's legend: y = x_q @ W^T (+ bias) in x's dtype, W [N, K] in panels.
+torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a CPU [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
+  const int64_t panels = (N + kPanel - 1) / kPanel, K = x.size(1), Kp = (K + 63) / 64 * 64;
+  TORCH_CHECK(N > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu() &&
+                  packed.numel() == panels * Kp * 8,
+              "packed must be a contiguous CPU uint8 [ceil(N / 16), Kp / 8 * 64] for x's K");
+  for (const auto* t : {&scale, &low})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == panels * Kp / kGroup * kPanel,
+                "scale and low must be contiguous float16 [ceil(N / 16), Kp / 32 * 16]");
+  torch::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have N elements");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  const Weights w{packed.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), low.data_ptr<at::Half>(), N, Kp, panels};
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty({x.size(0), N}, xc.options());
+  if (xc.scalar_type() == at::kBFloat16)
+    product(w, xc.data_ptr<at::BFloat16>(), xc.size(0), K, b, y.data_ptr<at::BFloat16>());
+  else
+    product(w, xc.data_ptr<float>(), xc.size(0), K, b, y.data_ptr<float>());
+  return y;
+}
+
+#endif  // AVX512-VNNI
