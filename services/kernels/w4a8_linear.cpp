@@ -12,13 +12,15 @@
 //   y:      [M, N]          x's dtype
 //   xq, xs, xz:             x rounded: int8 values, each group's s, and s * the group's sum of int8 values
 //
-// y[m, n] = sum over groups g of  scale[n, g] * s[m, g] * (sum_k q[n, k] * xi[m, k])  +  low[n, g] * s[m, g] * sum_k xi[m, k]
+// y[m, n] = sum over groups g of
+//   scale[n, g] * s[m, g] * (sum_k q[n, k] * xi[m, k])  +  low[n, g] * s[m, g] * sum_k xi[m, k]
 // where xi is x's int8 value: the first sum is one vpdpbusd per 4 columns (q unsigned, xi signed), exact in int32.
 // Every output is one float32 chain over g in that order, the same in both paths below (few rows: W's nibbles
 // widened in registers; many: a chunk of two panels widened once into L1 and multiplied in register tiles), so a
 // product's result never depends on its row count. Why: a compute-bound product (prefill, big batches) on a CPU with
 // AVX512-VNNI multiplies 64 int8 pairs per instruction against vdpbf16ps's 32 bf16 pairs (AMD EPYC Zen 4, 2 threads:
-// 445 against 225 per ns); W stored in panels needs no transposes, and one row streams W at ~0.08 instructions a weight.
+// 445 against 225 per ns); W stored in panels needs no transposes, and one row streams W at ~0.08 instructions a
+// weight.
 // The rounding of x is defined in services/kernels/w4a8_candidates.py (fake_quantize_groups), tested against this.
 
 #include <torch/extension.h>
@@ -67,7 +69,9 @@ struct Weights {
   const uint8_t* octet(int64_t p, int64_t o) const { return packed + (p * Kp / 8 + o) * 64; }
   __m512 group_scale(int64_t p, int64_t g) const { return halves(scale + (p * Kp / kGroup + g) * kPanel); }
   __m512 group_low(int64_t p, int64_t g) const { return halves(low + (p * Kp / kGroup + g) * kPanel); }
-  static __m512 halves(const at::Half* h) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))); }
+  static __m512 halves(const at::Half* h) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  }
 };
 
 // One octet of a panel (64 bytes) as two vectors of 16 lanes, each lane four q of its row: columns 8o .. 8o + 3 (lo)
@@ -80,7 +84,8 @@ inline void widen(const uint8_t* octet, __m512i& lo, __m512i& hi) {
 
 // acc = fma(low, z, fma(float(dot), scale * s, acc)): one group's step of every output's chain
 inline __m512 group_step(__m512i dot, __m512 scale, __m512 low, float s, float z, __m512 acc) {
-  return _mm512_fmadd_ps(low, _mm512_set1_ps(z), _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(s)), acc));
+  const __m512 scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(s)), acc);
+  return _mm512_fmadd_ps(low, _mm512_set1_ps(z), scaled);
 }
 
 struct RoundedRows {  // few rows: x rounded, row-major
@@ -180,8 +185,9 @@ inline void widen_chunk(const Weights& w, int64_t p, int64_t k0, int32_t* chunk,
     }
     for (int64_t g = 0; g < kChunkGroups; ++g) {
       const bool live = panel < w.panels && k0 + g * kGroup < w.Kp;
-      _mm512_storeu_ps(ws + g * kNR + kPanel * half, live ? w.group_scale(panel, k0 / kGroup + g) : _mm512_setzero_ps());
-      _mm512_storeu_ps(wl + g * kNR + kPanel * half, live ? w.group_low(panel, k0 / kGroup + g) : _mm512_setzero_ps());
+      const int64_t at = k0 / kGroup + g;
+      _mm512_storeu_ps(ws + g * kNR + kPanel * half, live ? w.group_scale(panel, at) : _mm512_setzero_ps());
+      _mm512_storeu_ps(wl + g * kNR + kPanel * half, live ? w.group_low(panel, at) : _mm512_setzero_ps());
     }
   }
 }
@@ -206,7 +212,8 @@ inline void tile(const int32_t* xq, const float* xs, const float* xz, const int3
     }
     for (int h = 0; h < 2; ++h) {
       const __m512 scale = _mm512_loadu_ps(ws + g * kNR + 16 * h), low = _mm512_loadu_ps(wl + g * kNR + 16 * h);
-      for (int m = 0; m < MR; ++m) acc[m][h] = group_step(dot[m][h], scale, low, xs[g * kMR + m], xz[g * kMR + m], acc[m][h]);
+      for (int m = 0; m < MR; ++m)
+        acc[m][h] = group_step(dot[m][h], scale, low, xs[g * kMR + m], xz[g * kMR + m], acc[m][h]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -237,7 +244,8 @@ TiledX tile_x(const T* x, int64_t M, int64_t K, int64_t Kx) {
         int32_t total = 0;
         for (int64_t k = 0; k < kGroup; ++k) total += q[k];
         const int32_t* words = reinterpret_cast<const int32_t*>(q);
-        for (int64_t j = 0; j < kGroup / 4; ++j) p.q[(tile_at * kKC / 4 + g * kGroup / 4 + j) * kMR + m % kMR] = words[j];
+        for (int64_t j = 0; j < kGroup / 4; ++j)
+          p.q[(tile_at * kKC / 4 + g * kGroup / 4 + j) * kMR + m % kMR] = words[j];
         p.s[(tile_at * kChunkGroups + g) * kMR + m % kMR] = s;
         p.z[(tile_at * kChunkGroups + g) * kMR + m % kMR] = s * static_cast<float>(total);
       }
@@ -268,7 +276,8 @@ void many_rows(const Weights& w, const TiledX& x, int64_t M, int64_t Kx, const f
           }
         }
       }
-      for (int64_t m = 0; m < M; ++m) store_row(sums.data() + m * kNR, bias ? bias + n0 : nullptr, live, y + m * w.N + n0);
+      for (int64_t m = 0; m < M; ++m)
+        store_row(sums.data() + m * kNR, bias ? bias + n0 : nullptr, live, y + m * w.N + n0);
     }
   });
 }
