@@ -11,7 +11,6 @@ parameters follow the same lanes: scale and low [P, Kp / G, 16] float16. Rows pa
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +57,6 @@ class W4A8Weight(Int4Weight):
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.out_features, self.in_features))
-
-    def to(self, device: torch.device) -> W4A8Weight:
-        return dataclasses.replace(self, packed=self.packed.to(device), scale=self.scale.to(device),
-                                   low=self.low.to(device))
 
 
 def _in_panels(params: torch.Tensor, panels: int) -> torch.Tensor:

@@ -38,8 +38,17 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
-// One group's scale s and its int8 values: v [32] float32 (zeros past the row's end) -> q [32], s returned.
-inline float round_group(const float* v, int8_t* q) {
+struct GroupScale {
+  float s, z;  // the group's step, and step * the sum of its int8 values
+};
+
+// Group k0 of row x [K] (zeros past K) rounded as the legend says: its int8 values into q [32], its s and z returned.
+template <typename T>
+inline GroupScale round_group(const T* x, int64_t K, int64_t k0, int8_t* q) {
+  alignas(64) float v[kGroup];
+  const int64_t len = std::min(kGroup, K - k0);
+  for (int64_t k = 0; k < len; ++k) v[k] = static_cast<float>(x[k0 + k]);
+  std::fill(v + len, v + kGroup, 0.f);
   const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   const float s = amax / 127.f;
@@ -48,15 +57,7 @@ inline float round_group(const float* v, int8_t* q) {
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(v0, d)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(v1, d));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
-  return s;
-}
-
-// Group `k0` of row x [K] as float32 into v [32], zeros past K.
-template <typename T>
-inline void load_group(const T* x, int64_t K, int64_t k0, float* v) {
-  const int64_t len = std::min(kGroup, K - k0);
-  for (int64_t k = 0; k < len; ++k) v[k] = static_cast<float>(x[k0 + k]);
-  std::fill(v + len, v + kGroup, 0.f);
+  return {s, s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)))};
 }
 
 constexpr int64_t kPanel = 16, kNR = 2 * kPanel, kKC = 128, kMR = 4, kChunkGroups = kKC / kGroup;
@@ -97,16 +98,11 @@ template <typename T>
 RoundedRows round_rows(const T* x, int64_t M, int64_t K, int64_t Kp) {
   RoundedRows r{std::vector<int8_t>(M * Kp, 0), std::vector<float>(M * Kp / kGroup, 0.f), {}};
   r.z.assign(r.s.size(), 0.f);
-  alignas(64) float v[kGroup];
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
-      load_group(x + m * K, K, k0, v);
-      int8_t* q = r.q.data() + m * Kp + k0;
-      const float s = round_group(v, q);
-      int32_t total = 0;
-      for (int64_t k = 0; k < kGroup; ++k) total += q[k];
-      r.s[m * Kp / kGroup + k0 / kGroup] = s;
-      r.z[m * Kp / kGroup + k0 / kGroup] = s * static_cast<float>(total);
+      const GroupScale g = round_group(x + m * K, K, k0, r.q.data() + m * Kp + k0);
+      r.s[m * Kp / kGroup + k0 / kGroup] = g.s;
+      r.z[m * Kp / kGroup + k0 / kGroup] = g.z;
     }
   return r;
 }
@@ -234,20 +230,16 @@ TiledX tile_x(const T* x, int64_t M, int64_t K, int64_t Kx) {
   p.s.assign(Kx / kKC * p.tiles * kChunkGroups * kMR, 0.f);
   p.z.assign(p.s.size(), 0.f);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    alignas(64) float v[kGroup];
     alignas(64) int8_t q[kGroup];
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
         const int64_t g = k0 % kKC / kGroup, tile_at = k0 / kKC * p.tiles + m / kMR;
-        load_group(x + m * K, K, k0, v);
-        const float s = round_group(v, q);
-        int32_t total = 0;
-        for (int64_t k = 0; k < kGroup; ++k) total += q[k];
+        const GroupScale scale = round_group(x + m * K, K, k0, q);
         const int32_t* words = reinterpret_cast<const int32_t*>(q);
         for (int64_t j = 0; j < kGroup / 4; ++j)
           p.q[(tile_at * kKC / 4 + g * kGroup / 4 + j) * kMR + m % kMR] = words[j];
-        p.s[(tile_at * kChunkGroups + g) * kMR + m % kMR] = s;
-        p.z[(tile_at * kChunkGroups + g) * kMR + m % kMR] = s * static_cast<float>(total);
+        p.s[(tile_at * kChunkGroups + g) * kMR + m % kMR] = scale.s;
+        p.z[(tile_at * kChunkGroups + g) * kMR + m % kMR] = scale.z;
       }
   });
   return p;
