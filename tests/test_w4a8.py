@@ -91,18 +91,22 @@ def test_each_host_has_one_w4a8_product_and_it_is_the_definition(native, on_cpu,
         assert torch.equal(x, before)  # x itself is not rounded in place
 
 
-def test_an_answer_does_not_depend_on_how_many_rows_share_its_step(tiny_path):
-    """One prefill of 80 rows, 7-token chunks over a cached prefix, or one token a step: the same logits (another
-    product for some row counts, a rounding apart, would move them by up to 0.6: see w4a8_candidates.py)."""
+def test_every_row_count_runs_the_same_product(tiny_path):
+    """One prefill of 80 rows, 7-token chunks over a cached prefix, or one token a step run one product. Their
+    logits still differ a little: the attention sums a prompt in another order than a decode step (~1e-6 here),
+    and that can round some activation to the other int8 neighbour a layer later (a CI host: 3.5e-4 in 2% of the
+    logits). Another product for 2-8 rows moved them by 0.033 (Zen 4, 2026-12-03), so the plan must not mix."""
     engine = Engine(tiny_path, dtype="float32", quantization="w4a8", kernels="auto")
-    assert {key[-1] for key in engine.runner.model.plan.linear_choices} == {"w4a8", "int8"}  # lm_head: int8
+    choices = engine.runner.model.plan.linear_choices
+    assert {key[-1] for key in choices} == {"w4a8", "int8"}  # lm_head: int8
+    assert {len(set(names)) for key, names in choices.items() if key[-1] == "w4a8"} == {1}
     int4 = Engine(tiny_path, dtype="float32", quantization="int4")
     prompt = [5, 6, 7, 8] * 20
     whole = engine_logits(engine, prompt, len(prompt))
     relative = float((whole - engine_logits(int4, prompt, len(prompt))).norm() / whole.norm())
     assert 0.005 < relative < 0.1, relative  # the activations were rounded, by little
     for chunk in (7, 1):
-        torch.testing.assert_close(engine_logits(engine, prompt, chunk), whole, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(engine_logits(engine, prompt, chunk), whole, rtol=1e-4, atol=5e-3)
 
 
 def test_w4a8_accuracy_on_the_trained_checkpoint(stories_path):

@@ -9,7 +9,9 @@ llama.cpp's Q8_0 activations, which its Q4 weights multiply. Every product round
   (vpdpbusd: 64 pairs an instruction, twice vdpbf16ps's), scaled per group in float32, every output one float32
   chain in the same order whatever the rows: bit-identical for one row (a decode step) and a thousand (a prefill).
   It is w4a8's only product there: another kernel's sums, a rounding apart, would round some x to the other
-  int8 neighbour a layer later (a random 2-layer model's logits moved by 0.6 between a prefill and its chunks).
+  int8 neighbour a layer later (the `tiny` model with the definition below for 2-8 rows: a prefill's logits and
+  its 7-token chunks' 0.033 apart). The attention's sums still differ between a prefill and a decode step and
+  can do the same, rarely (a CI host: 3.5e-4).
 - `x8.dequant.linear` elsewhere (other CPUs, GPUs): the definition in torch's operators, x_q times W dequantized.
 """
 
