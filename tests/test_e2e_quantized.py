@@ -1,7 +1,7 @@
-"""w8a8 prefill workers and int8 decode workers on separate nodes (`--prefill-quantization w8a8
---decode-quantization int8`: int8 activations where prefill is compute-bound, weight-only int8 where
-decode streams weights): over HTTP, every answer is what the same two engines give when KV is handed
-over in-process, and each worker reports its own weight format."""
+"""Prefill workers that round activations to int8 and weight-only decode workers of the same weights, on separate
+nodes: `--prefill-quantization w8a8 --decode-quantization int8` and `w4a8` / `int4` (int8 activations where prefill
+is compute-bound, weight-only products where decode streams weights): over HTTP, every answer is what the same two
+engines give when KV is handed over in-process, and each worker reports its own weight format."""
 
 from __future__ import annotations
 
@@ -16,23 +16,27 @@ from services import Engine, SamplingParams
 from services.scheduler import SampledToken
 from services.tokenizer import Tokenizer
 
+# (prefill format, decode format) -> the products only the prefill workers run
+PRODUCTS = {("w8a8", "int8"): {"int8.dynamic"}, ("w4a8", "int4"): {"native.w4a8", "x8.dequant.linear"}}
 
-@pytest.fixture(scope="module")
-def server(tiny_path):
+
+@pytest.fixture(scope="module", params=list(PRODUCTS), ids="-".join)
+def server(tiny_path, request):
+    prefill, decode = request.param
     with two_node_cluster() as _:
-        spec = ClusterSpec(model=str(tiny_path), namespace="pd-int8", engine_options={"num_threads": 1},
-                           role_engine_options={"prefill": {"quantization": "w8a8"}, "decode": {"quantization": "int8"}})
+        spec = ClusterSpec(model=str(tiny_path), namespace=f"pd-{prefill}", engine_options={"num_threads": 1},
+                           role_engine_options={"prefill": {"quantization": prefill}, "decode": {"quantization": decode}})
         with router_server(spec) as (url, actors, _):
-            yield url, actors, str(tiny_path)
+            yield url, actors, str(tiny_path), request.param
 
 
-def handed_over(model: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of a w8a8 prefill engine's first token and KV, decoded by an int8 engine."""
+def handed_over(model: str, formats: tuple[str, str], prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of a prefill engine's first token and KV (formats[0]), decoded by an engine of formats[1]."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    prefill = Engine(model, quantization="w8a8")
+    prefill = Engine(model, quantization=formats[0])
     prefill.add_request("r", prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), export_kv=True)
     (out,) = prefill.step()
-    decode = Engine(model, quantization="int8")
+    decode = Engine(model, quantization=formats[1])
     decode.add_prefilled("r", prompt, SampledToken(out.new_token_ids[0], out.new_logprobs[0]), params, out.kv)
     tokens = list(out.new_token_ids)
     while decode.has_unfinished_requests:
@@ -42,29 +46,31 @@ def handed_over(model: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def test_answers_are_the_handed_over_engines(server):
-    url, _, model = server
+    url, _, model, formats = server
     tokenizer = Tokenizer.from_folder(model)
     full_precision, num_different = Engine(model), 0
     for prompt in checks.prompts(3, 500)[:3]:
-        want = handed_over(model, prompt, 16)
+        want = handed_over(model, formats, prompt, 16)
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         num_different += want != full_precision.generate([prompt], params)[0].token_ids
         body = checks.completion(url, prompt, 16)
         assert body["choices"][0]["text"] == tokenizer.decode(want)
         text, _ = checks.streamed_text(url, prompt, 16)
         assert text == tokenizer.decode(want)
-    assert num_different >= 1  # so the answers above show the int8 decode ran (2 of 3 differ here)
+    assert num_different >= 1  # so the answers above show the quantized workers ran
     client = OpenAI(base_url=url + "/v1", api_key="unused")
     got = client.completions.create(model="test-model", prompt="Once upon a time", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
-    assert got.choices[0].text == tokenizer.decode(handed_over(model, tokenizer.encode("Once upon a time"), 12))
+    assert got.choices[0].text == tokenizer.decode(handed_over(model, formats, tokenizer.encode("Once upon a time"), 12))
 
 
 def test_each_worker_reports_its_format_and_kernels(server):
-    _, actors, _ = server
+    actors, (prefill, decode) = server[1], server[3]
     stats = {s.role: s for s in ray.get([a.stats.remote("test") for a in actors])}
-    assert stats["prefill"].quantization == "w8a8" and stats["decode"].quantization == "int8"
+    assert stats["prefill"].quantization == prefill and stats["decode"].quantization == decode
     for s in stats.values():
         assert "mode native" in s.kernels and "linear" in s.kernels
-    assert "int8" in stats["decode"].kernels and "int8.dynamic" not in stats["decode"].kernels
-    assert "int8.dynamic" in stats["prefill"].kernels
+    assert decode in stats["decode"].kernels
+    only_prefill = PRODUCTS[prefill, decode]
+    assert not any(name in stats["decode"].kernels for name in only_prefill)
+    assert any(name in stats["prefill"].kernels for name in only_prefill)
