@@ -241,3 +241,15 @@ def test_the_switch_turns_them_off(monkeypatch):
         assert native_build.load() is None
     finally:
         native_build.load.cache_clear()
+
+
+def test_another_march_target_is_its_own_build_and_a_bad_one_is_refused(monkeypatch):
+    here = native_build.build_key()
+    assert native_build.cflags() == ("-O3", "-march=native", "-fopenmp")
+    monkeypatch.setenv(native_build.MARCH_ENV, "znver3")
+    assert native_build.cflags() == ("-O3", "-march=znver3", "-fopenmp")
+    assert native_build.build_key() != here  # cached apart from the host's own build
+    monkeypatch.setenv(native_build.MARCH_ENV, "native -O0")
+    with pytest.raises(ValueError, match="PDSERVE_NATIVE_MARCH must be a -march target such as native, znver3 or "
+                                         "x86-64-v3, got 'native -O0'"):
+        native_build.build_key()

@@ -72,11 +72,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("packed"), py::arg("low"), py::arg("bias"));
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
   m.def("w4a8_linear", &w4a8_linear,
         "y[M, N] = x_q[M, K] @ W^T (+ bias[N]), W group-wise int4 in 16-row panels (w4a8_weight.py), x rounded to "
-        "int8 per 32-column group (w4a8_candidates.py), the products by vpdpbusd in int32, scaled per group "
-        "(AVX512-VNNI CPUs)",
+        "int8 per 32-column group (w4a8_candidates.py), the products exact in int32 (vpdpbusd on AVX512-VNNI CPUs, "
+        "vpmaddubsw on AVX2 ones), scaled per group",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("bias"));
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");

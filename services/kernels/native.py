@@ -6,6 +6,7 @@ Compiling on the host, not at packaging time, is what lets one source use AVX-51
 it and stay correct where it does not. `make` builds them once at install (`python -m
 services.kernels.native`), so a first request never waits for the compiler. Where nothing can be
 compiled (no compiler, no ninja) the engine keeps torch's kernels, saying so in one log line.
+`PDSERVE_NATIVE_MARCH=znver3` (any -march target the CPU can run) builds an older CPU's paths instead, apart.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,11 +33,22 @@ log = logging.getLogger(__name__)
 SOURCES = ("bindings.cpp", "skinny_linear.cpp", "paged_decode_attention.cpp", "int4_linear.cpp",
            "int4_dequantize.cpp", "int4_tiled_linear.cpp", "int4_x16_linear.cpp", "int8_x16_linear.cpp",
            "prefill_attention.cpp", "decoder_glue.cpp", "tiled_linear.cpp", "pair_tiled_linear.cpp",
-           "w4a8_linear.cpp")
+           "w4a8_linear.cpp", "w4a8_avx2_linear.cpp")
 HEADERS = ("vec_load.h", "int4_block.h", "softmax_math.h", "pair_gemm.h", "x16_groups.h", "decode_blocks.h",
-           "decode_runs.h", "decode_pairs.h")
-CFLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's own libgomp
+           "decode_runs.h", "decode_pairs.h", "w4a8_panels.h")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"  # "0": never compile or load them
+# A -march target instead of the host's own ("native"): an older CPU's paths run and measured on a newer one (e.g.
+# znver3 on an AVX-512 host builds the AVX2 kernels). A developer's knob: a target the CPU cannot run stops the
+# process at its first unknown instruction.
+MARCH_ENV = "PDSERVE_NATIVE_MARCH"
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags of the build (OpenMP: at::parallel_for runs on torch's own libgomp)."""
+    march = os.environ.get(MARCH_ENV, "native")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", march):
+        raise ValueError(f"{MARCH_ENV} must be a -march target such as native, znver3 or x86-64-v3, got {march!r}")
+    return ("-O3", f"-march={march}", "-fopenmp")
 
 
 def cpu_model() -> str:
@@ -82,7 +95,7 @@ def build_key() -> str:
         digest.update((here / name).read_bytes())
     # torch's folder too: the build's include paths name it, so two virtualenvs sharing the cache
     # (a checkout and its fresh clone) would otherwise rebuild each other's build on every load
-    for part in (*CFLAGS, torch.__version__, os.path.dirname(torch.__file__), sys.version, cpu_model(), _cpu_flags()):
+    for part in (*cflags(), torch.__version__, os.path.dirname(torch.__file__), sys.version, cpu_model(), _cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -115,14 +128,14 @@ def load() -> ModuleType | None:
     bin_dir = os.path.dirname(sys.executable)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    key = build_key()
+    key = build_key()  # ValueError for a bad PDSERVE_NATIVE_MARCH: said, not silently replaced
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     here = Path(__file__).parent
     try:
         with _builder(build_dir):  # concurrent first starts wait for one build
             return cpp_extension.load(name=f"pdserve_kernels_{key}", sources=[str(here / s) for s in SOURCES],
-                                      extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                                      extra_cflags=list(cflags()), extra_ldflags=["-fopenmp"],
                                       build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a compiler error: torch's kernels still work
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -5,14 +5,15 @@ Each row of x is cut into groups of 32 columns (W's own int4 groups); a group's 
 and every value is rounded to the nearest step (halves to even): x_q = round(x / s) * s, s = max |x| / 127 —
 llama.cpp's Q8_0 activations, which its Q4 weights multiply. Every product rounds x so, whatever its row count.
 
-- `native.w4a8` (w4a8_linear.cpp, CPUs with AVX512-VNNI): the int8 values times W's 4-bit levels in int32
-  (vpdpbusd: 64 pairs an instruction, twice vdpbf16ps's), scaled per group in float32, every output one float32
-  chain in the same order whatever the rows: bit-identical for one row (a decode step) and a thousand (a prefill).
+- `native.w4a8` (w4a8_linear.cpp on CPUs with AVX512-VNNI: vpdpbusd, 64 pairs an instruction, twice vdpbf16ps's;
+  w4a8_avx2_linear.cpp on AVX2 ones: vpmaddubsw): the int8 values times W's 4-bit levels in int32, scaled per group
+  in float32, every output one float32 chain in the same order whatever the rows (and in both builds):
+  bit-identical for one row (a decode step) and a thousand (a prefill).
   It is w4a8's only product there: another kernel's sums, a rounding apart, would round some x to the other
   int8 neighbour a layer later (the `tiny` model with the definition below for 2-8 rows: a prefill's logits and
   its 7-token chunks' 0.033 apart). The attention's sums still differ between a prefill and a decode step and
   can do the same, rarely (a CI host: 3.5e-4).
-- `x8.dequant.linear` elsewhere (other CPUs, GPUs): the definition in torch's operators, x_q times W dequantized.
+- `x8.dequant.linear` elsewhere (CPUs without AVX2, no compiler, GPUs): the definition in torch's operators, x_q times W dequantized.
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
-// w4a8: group-wise int4 weights times activations rounded to int8 per 32-column group (llama.cpp's Q4 arithmetic),
-// y = x_q @ W^T (+ bias), the products exact in int32 (vpdpbusd) and scaled per group in float32.
+// w4a8 on CPUs with AVX512-VNNI: group-wise int4 weights times activations rounded to int8 per 32-column group
+// (llama.cpp's Q4 arithmetic), y = x_q @ W^T (+ bias), the products exact in int32 (vpdpbusd) and scaled per group in
+// float32. Shapes, layout and the float32 chain of every output: w4a8_panels.h.
 //
-// Legend: M rows of x, K input features, N output features, G = 32 columns per group (W's and x's alike),
-// Kp = K padded to whole 64-column blocks, P = ceil(N / 16) panels of 16 W rows, NR = 32 W rows (two panels) per
-// register tile, KC = 128 columns per chunk, MR <= 4 rows of x per register tile.
-//   x:      [M, K]          bfloat16 or float32; each group of 32 columns of a row rounded to int8:
-//           s = max |x| / 127, x_q = round(x / s) * s (halves to even; an all-zero group stays zero)
-//   packed: [P, Kp / 8, 16, 4] uint8 (services/w4a8_weight.py): panel p, column octet o, lane r (W row 16p + r),
-//           byte i: q[16p + r, 8o + i] in the low nibble, q[16p + r, 8o + 4 + i] in the high one
-//   scale, low: [P, Kp / G, 16] float16: w[n, k] = q[n, k] * scale + low of row n's group k / G, q in 0..15
-//   y:      [M, N]          x's dtype
-//   xq, xs, xz:             x rounded: int8 values, each group's s, and s * the group's sum of int8 values
+// Legend (beyond w4a8_panels.h's): NR = 32 W rows (two panels) per register tile, KC = 128 columns per chunk,
+// MR <= 4 rows of x per register tile.
 //
-// y[m, n] = sum over groups g of
-//   scale[n, g] * s[m, g] * (sum_k q[n, k] * xi[m, k])  +  low[n, g] * s[m, g] * sum_k xi[m, k]
-// where xi is x's int8 value: the first sum is one vpdpbusd per 4 columns (q unsigned, xi signed), exact in int32.
-// Every output is one float32 chain over g in that order, the same in both paths below (few rows: W's nibbles
-// widened in registers; many: a chunk of two panels widened once into L1 and multiplied in register tiles), so a
-// product's result never depends on its row count. Why: a compute-bound product (prefill, big batches) on a CPU with
-// AVX512-VNNI multiplies 64 int8 pairs per instruction against vdpbf16ps's 32 bf16 pairs (AMD EPYC Zen 4, 2 threads:
-// 445 against 225 per ns); W stored in panels needs no transposes, and one row streams W at ~0.08 instructions a
-// weight.
-// The rounding of x is defined in services/kernels/w4a8_candidates.py (fake_quantize_groups), tested against this.
+// Two paths run the same chain (few rows: W's nibbles widened in registers; many: a chunk of two panels widened once
+// into L1 and multiplied in register tiles), so a product's result never depends on its row count. Why: a
+// compute-bound product (prefill, big batches) on a CPU with AVX512-VNNI multiplies 64 int8 pairs per instruction
+// against vdpbf16ps's 32 bf16 pairs (AMD EPYC Zen 4, 2 threads: 445 against 225 per ns); W stored in panels needs no
+// transposes, and one row streams W at ~0.08 instructions a weight.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -30,17 +18,14 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "w4a8_panels.h"
 
-#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-
-struct GroupScale {
-  float s, z;  // the group's step, and step * the sum of its int8 values
-};
+using w4a8::GroupScale, w4a8::kGroup, w4a8::kPanel, w4a8::RoundedRows, w4a8::store_row;
+using Weights = w4a8::Panels;
 
 // Group k0 of row x [K] (zeros past K) rounded as the legend says: its int8 values into q [32], its s and z returned.
 template <typename T>
@@ -60,20 +45,12 @@ inline GroupScale round_group(const T* x, int64_t K, int64_t k0, int8_t* q) {
   return {s, s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)))};
 }
 
-constexpr int64_t kPanel = 16, kNR = 2 * kPanel, kKC = 128, kMR = 4, kChunkGroups = kKC / kGroup;
+constexpr int64_t kNR = 2 * kPanel, kKC = 128, kMR = 4, kChunkGroups = kKC / kGroup;
 constexpr int64_t kDirectRows = 8;  // up to this many rows of x: the few-row path
 
-struct Weights {
-  const uint8_t* packed;
-  const at::Half *scale, *low;
-  int64_t N, Kp, panels;
-  const uint8_t* octet(int64_t p, int64_t o) const { return packed + (p * Kp / 8 + o) * 64; }
-  __m512 group_scale(int64_t p, int64_t g) const { return halves(scale + (p * Kp / kGroup + g) * kPanel); }
-  __m512 group_low(int64_t p, int64_t g) const { return halves(low + (p * Kp / kGroup + g) * kPanel); }
-  static __m512 halves(const at::Half* h) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-  }
-};
+inline __m512 halves(const at::Half* h) {  // 16 float16 as float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
 
 // One octet of a panel (64 bytes) as two vectors of 16 lanes, each lane four q of its row: columns 8o .. 8o + 3 (lo)
 // and 8o + 4 .. 8o + 7 (hi).
@@ -87,41 +64,6 @@ inline void widen(const uint8_t* octet, __m512i& lo, __m512i& hi) {
 inline __m512 group_step(__m512i dot, __m512 scale, __m512 low, float s, float z, __m512 acc) {
   const __m512 scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(s)), acc);
   return _mm512_fmadd_ps(low, _mm512_set1_ps(z), scaled);
-}
-
-struct RoundedRows {  // few rows: x rounded, row-major
-  std::vector<int8_t> q;  // [M, Kp]
-  std::vector<float> s, z;  // [M, Kp / G]
-};
-
-template <typename T>
-RoundedRows round_rows(const T* x, int64_t M, int64_t K, int64_t Kp) {
-  RoundedRows r{std::vector<int8_t>(M * Kp, 0), std::vector<float>(M * Kp / kGroup, 0.f), {}};
-  r.z.assign(r.s.size(), 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
-      const GroupScale g = round_group(x + m * K, K, k0, r.q.data() + m * Kp + k0);
-      r.s[m * Kp / kGroup + k0 / kGroup] = g.s;
-      r.z[m * Kp / kGroup + k0 / kGroup] = g.z;
-    }
-  return r;
-}
-
-// out [live] = sums [live] (+ bias [live]), rounded once to out's dtype
-inline void store_row(const float* sums, const float* bias, int64_t live, float* out) {
-  for (int64_t r = 0; r < live; ++r) out[r] = sums[r] + (bias ? bias[r] : 0.f);
-}
-inline void store_row(const float* sums, const float* bias, int64_t live, at::BFloat16* out) {
-#if defined(__AVX512BF16__)
-  for (int64_t r = 0; r < live; r += 16) {
-    const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, live - r)) - 1);
-    __m512 v = _mm512_maskz_loadu_ps(lanes, sums + r);
-    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias + r));
-    _mm256_mask_storeu_epi16(out + r, lanes, (__m256i)_mm512_cvtneps_pbh(v));
-  }
-#else
-  for (int64_t r = 0; r < live; ++r) out[r] = static_cast<at::BFloat16>(sums[r] + (bias ? bias[r] : 0.f));
-#endif
 }
 
 // Few rows (M <= kDirectRows): each thread streams its panels once per kMR rows of x, widening W in registers.
@@ -143,7 +85,7 @@ void panel_rows(const Weights& w, const RoundedRows& x, int64_t m0, int64_t p, c
         dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + 4)));
       }
     }
-    const __m512 scale = w.group_scale(p, g), low = w.group_low(p, g);
+    const __m512 scale = halves(w.group_scale(p, g)), low = halves(w.group_low(p, g));
     for (int m = 0; m < MR; ++m)
       acc[m] = group_step(dot[m], scale, low, x.s[(m0 + m) * groups + g], x.z[(m0 + m) * groups + g], acc[m]);
   }
@@ -182,8 +124,8 @@ inline void widen_chunk(const Weights& w, int64_t p, int64_t k0, int32_t* chunk,
     for (int64_t g = 0; g < kChunkGroups; ++g) {
       const bool live = panel < w.panels && k0 + g * kGroup < w.Kp;
       const int64_t at = k0 / kGroup + g;
-      _mm512_storeu_ps(ws + g * kNR + kPanel * half, live ? w.group_scale(panel, at) : _mm512_setzero_ps());
-      _mm512_storeu_ps(wl + g * kNR + kPanel * half, live ? w.group_low(panel, at) : _mm512_setzero_ps());
+      _mm512_storeu_ps(ws + g * kNR + kPanel * half, live ? halves(w.group_scale(panel, at)) : _mm512_setzero_ps());
+      _mm512_storeu_ps(wl + g * kNR + kPanel * half, live ? halves(w.group_low(panel, at)) : _mm512_setzero_ps());
     }
   }
 }
@@ -277,7 +219,7 @@ void many_rows(const Weights& w, const TiledX& x, int64_t M, int64_t Kx, const f
 template <typename T>
 void product(const Weights& w, const T* x, int64_t M, int64_t K, const float* bias, T* y) {
   if (M <= kDirectRows) {
-    few_rows(w, round_rows(x, M, K, w.Kp), M, bias, y);
+    few_rows(w, w4a8::round_rows(x, M, K, w.Kp, round_group<T>), M, bias, y);
   } else {
     const int64_t Kx = (w.Kp + kKC - 1) / kKC * kKC;
     many_rows(w, tile_x(x, M, K, Kx), M, Kx, bias, y);
@@ -286,32 +228,11 @@ void product(const Weights& w, const T* x, int64_t M, int64_t K, const float* bi
 
 }  // namespace
 
-// See the file's legend: y = x_q @ W^T (+ bias) in x's dtype, W [N, K] in panels.
+// See w4a8_panels.h: y = x_q @ W^T (+ bias) in x's dtype, W [N, K] in panels.
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a CPU [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
-  const int64_t panels = (N + kPanel - 1) / kPanel, K = x.size(1), Kp = (K + 63) / 64 * 64;
-  TORCH_CHECK(N > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu() &&
-                  packed.numel() == panels * Kp * 8,
-              "packed must be a contiguous CPU uint8 [ceil(N / 16), Kp / 8 * 64] for x's K");
-  for (const auto* t : {&scale, &low})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == panels * Kp / kGroup * kPanel,
-                "scale and low must be contiguous float16 [ceil(N / 16), Kp / 32 * 16]");
-  torch::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have N elements");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
-  const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
-  const Weights w{packed.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), low.data_ptr<at::Half>(), N, Kp, panels};
-  const torch::Tensor xc = x.contiguous();
-  torch::Tensor y = torch::empty({x.size(0), N}, xc.options());
-  if (xc.scalar_type() == at::kBFloat16)
-    product(w, xc.data_ptr<at::BFloat16>(), xc.size(0), K, b, y.data_ptr<at::BFloat16>());
-  else
-    product(w, xc.data_ptr<float>(), xc.size(0), K, b, y.data_ptr<float>());
-  return y;
+  return w4a8::call(x, packed, scale, low, N, bias, [](const Weights& w, const auto* xv, int64_t M, int64_t K,
+                                                       const float* b, auto* y) { product(w, xv, M, K, b, y); });
 }
 
 #endif  // AVX512-VNNI
