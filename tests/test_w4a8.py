@@ -92,10 +92,12 @@ def test_each_host_has_one_w4a8_product_and_it_is_the_definition(native, on_cpu,
 
 
 def test_every_row_count_runs_the_same_product(tiny_path):
-    """One prefill of 80 rows, 7-token chunks over a cached prefix, or one token a step run one product. Their
-    logits still differ a little: the attention sums a prompt in another order than a decode step (~1e-6 here),
-    and that can round some activation to the other int8 neighbour a layer later (a CI host: 3.5e-4 in 2% of the
-    logits). Another product for 2-8 rows moved them by 0.033 (Zen 4, 2026-12-03), so the plan must not mix."""
+    """One prefill of 80 rows, 7-token chunks over a cached prefix, or one token a step run one product, which
+    rounds every activation. Their logits still differ a little: the attention sums a prompt in another order
+    than a decode step (~1e-6), which can round some activation to the other int8 neighbour a layer later and
+    move later logits by up to 0.055 (the AVX2 build on a Zen 4; a CI host: 3.5e-4) — as much as another
+    product for some row counts would, so the plan's choices are checked, not the logits' last digits. A product
+    that skipped the rounding would put the answer as far away as int4's is: 50x what a flip moves."""
     engine = Engine(tiny_path, dtype="float32", quantization="w4a8", kernels="auto")
     choices = engine.runner.model.plan.linear_choices
     assert {key[-1] for key in choices} == {"w4a8", "int8"}  # lm_head: int8
@@ -103,10 +105,16 @@ def test_every_row_count_runs_the_same_product(tiny_path):
     int4 = Engine(tiny_path, dtype="float32", quantization="int4")
     prompt = [5, 6, 7, 8] * 20
     whole = engine_logits(engine, prompt, len(prompt))
-    relative = float((whole - engine_logits(int4, prompt, len(prompt))).norm() / whole.norm())
-    assert 0.005 < relative < 0.1, relative  # the activations were rounded, by little
+
+    def distance(logits: torch.Tensor) -> float:
+        return float((logits - whole).norm() / whole.norm())
+
+    unrounded = distance(engine_logits(int4, prompt, len(prompt)))
+    assert 0.005 < unrounded < 0.1, unrounded  # the activations were rounded, by little (0.032)
     for chunk in (7, 1):
-        torch.testing.assert_close(engine_logits(engine, prompt, chunk), whole, rtol=1e-4, atol=5e-3)
+        logits = engine_logits(engine, prompt, chunk)
+        assert distance(logits) < 0.1 * unrounded, (chunk, distance(logits), unrounded)  # flips: <= 6e-4
+        assert (logits.argmax(-1) == whole.argmax(-1)).float().mean() >= 0.95
 
 
 def test_w4a8_accuracy_on_the_trained_checkpoint(stories_path):

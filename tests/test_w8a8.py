@@ -69,16 +69,20 @@ def test_w8a8_rounds_the_activations_of_a_prefill_too(tiny_path):
 
 
 def test_an_answer_does_not_depend_on_how_many_rows_share_its_step(tiny_path):
-    """One prefill of 80 rows, 7-token chunks over a cached prefix, or one token a step: the same logits
-    (a weight-only kernel for the few-row products would round different activations: ~4% apart), but for
-    a rare activation the attention's sums (another order in a prefill than in a decode step) round to the
-    other int8 neighbour (w4a8's products flipped one so on a CI host: 3.5e-4, test_w4a8)."""
+    """One prefill of 80 rows, 7-token chunks over a cached prefix, or one token a step: the same product, which
+    rounds every activation row (a weight-only kernel for the few-row products would round none: int8's logits,
+    ~4% away). The attention sums a prompt in another order than a decode step, which can round some activation
+    to the other int8 neighbour (test_w4a8), so the logits are held to a tenth of that distance, not to 1e-4."""
     engine = Engine(tiny_path, dtype="float32", quantization="w8a8")
     assert all(names == ("int8.dynamic",) * 4 for names in engine.runner.model.plan.linear_choices.values())
     prompt = [5, 6, 7, 8] * 20
     whole = engine_logits(engine, prompt, len(prompt))
+    unrounded = float((engine_logits(Engine(tiny_path, dtype="float32", quantization="int8"), prompt, len(prompt))
+                       - whole).norm() / whole.norm())
     for chunk in (7, 1):
-        torch.testing.assert_close(engine_logits(engine, prompt, chunk), whole, rtol=1e-4, atol=5e-3)
+        logits = engine_logits(engine, prompt, chunk)
+        assert float((logits - whole).norm() / whole.norm()) < 0.1 * unrounded, chunk
+        assert (logits.argmax(-1) == whole.argmax(-1)).float().mean() >= 0.95
 
 
 def test_w8a8_says_when_the_cpu_has_no_int8_dot_products(tiny_path, monkeypatch, caplog):
