@@ -46,7 +46,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     native, dtype = native_build.load(), getattr(torch, args.dtype)
     env = {**environment(), "march": native_build.cflags()[1], "native": native is not None, "x": args.dtype}
-    print(f"{env['cpu']}, {args.threads} threads, kernels {env['march'] if native else 'none (torch only)'}, x {args.dtype}")
+    kernels = env["march"] if native else "none (torch only)"
+    print(f"{env['cpu']}, {args.threads} threads, kernels {kernels}, x {args.dtype}")
     rows_out, results = [], []
     for shape in args.shapes:
         n, k = SHAPES[shape]
