@@ -46,7 +46,10 @@ inline GroupScale round_group(const T* x, int64_t K, int64_t k0, int8_t* q) {
 }
 
 constexpr int64_t kNR = 2 * kPanel, kKC = 128, kMR = 4, kChunkGroups = kKC / kGroup;
-constexpr int64_t kDirectRows = 8;  // up to this many rows of x: the few-row path
+// Up to this many rows of x: the few-row path. It streams W once per 4 rows (after the first pass from L3), yet beats
+// the tile's chunk widening up to ~24 rows: 12-24 rows of the `1b` shapes 1.02-1.5x faster, at 32 gate_up's tile
+// wins by 10% (Zen 4, 2 threads, bf16 x, 4 weights cycled; 8 before).
+constexpr int64_t kDirectRows = 24;
 
 inline __m512 halves(const at::Half* h) {  // 16 float16 as float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
