@@ -25,7 +25,8 @@ def server(tiny_path, request):
     prefill, decode = request.param
     with two_node_cluster() as _:
         spec = ClusterSpec(model=str(tiny_path), namespace=f"pd-{prefill}", engine_options={"num_threads": 1},
-                           role_engine_options={"prefill": {"quantization": prefill}, "decode": {"quantization": decode}})
+                           role_engine_options={"prefill": {"quantization": prefill},
+                                                "decode": {"quantization": decode}})
         with router_server(spec) as (url, actors, _):
             yield url, actors, str(tiny_path), request.param
 
@@ -61,7 +62,8 @@ def test_answers_are_the_handed_over_engines(server):
     client = OpenAI(base_url=url + "/v1", api_key="unused")
     got = client.completions.create(model="test-model", prompt="Once upon a time", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
-    assert got.choices[0].text == tokenizer.decode(handed_over(model, formats, tokenizer.encode("Once upon a time"), 12))
+    want = handed_over(model, formats, tokenizer.encode("Once upon a time"), 12)
+    assert got.choices[0].text == tokenizer.decode(want)
 
 
 def test_each_worker_reports_its_format_and_kernels(server):

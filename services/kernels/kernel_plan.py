@@ -144,9 +144,9 @@ class KernelPlan:
                         "reference int8 loop (measured on an AVX2-only AMD EPYC: 11 s for one 1,024-row 16384 x 2048 "
                         "product, 23x float32's); --quantization int8 keeps the memory saving at full speed")
         if device.type == "cpu" and any(key[-1] == "w4a8" for key in choices) and not hasattr(native, "w4a8_linear"):
-            log.warning("w4a8 without its int8 dot-product kernel (built on CPUs with AVX512-VNNI or AVX2): every product "
-                        "rounds x and dequantizes its weight in torch's operators; --quantization int4 keeps the "
-                        "memory saving at full speed")
+            log.warning("w4a8 without its int8 dot-product kernel (built on CPUs with AVX512-VNNI or AVX2): every "
+                        "product rounds x and dequantizes its weight in torch's operators; --quantization int4 keeps "
+                        "the memory saving at full speed")
         attention = prefill = "torch"
         if native is not None:
             attention, prefill, timed = attention_choice.choose(native, cache, attention_shape, dtype, mode, _fastest)

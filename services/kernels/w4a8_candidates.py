@@ -13,7 +13,8 @@ llama.cpp's Q8_0 activations, which its Q4 weights multiply. Every product round
   int8 neighbour a layer later (the `tiny` model with the definition below for 2-8 rows: a prefill's logits and
   its 7-token chunks' 0.033 apart). The attention's sums still differ between a prefill and a decode step and
   can do the same, rarely (the `tiny` model's later logits: 3.5e-4 on a CI host, 0.055 with the AVX2 build).
-- `x8.dequant.linear` elsewhere (CPUs without AVX2, no compiler, GPUs): the definition in torch's operators, x_q times W dequantized.
+- `x8.dequant.linear` elsewhere (CPUs without AVX2, no compiler, GPUs): the definition in torch's operators, x_q
+  times W dequantized.
 """
 
 from __future__ import annotations
