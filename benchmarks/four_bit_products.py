@@ -10,10 +10,10 @@ reads it from memory, so few-row figures are upper bounds there).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from benchmarks.ceilings import best_time
 from benchmarks.report import environment, format_table, write_results
 from services.int4_weight import Int4Weight
 from services.kernels import native as native_build
@@ -21,16 +21,6 @@ from services.kernels.linear_candidates import candidates
 from services.w4a8_weight import W4A8Weight
 
 SHAPES = {"gate_up": (16384, 2048), "down": (2048, 8192), "qkv": (3072, 2048)}  # the `1b` preset's (N, K)
-
-
-def best_ms(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def main() -> None:
@@ -60,7 +50,7 @@ def main() -> None:
             times = {name: [] for name in calls}
             for _ in range(args.rounds):  # interleaved: a noisy moment hits every kernel alike
                 for name, call in calls.items():
-                    times[name].append(best_ms(call, 1))
+                    times[name].append(best_time(call, 1) * 1e3)
             for name, ts in times.items():
                 ms = min(ts)
                 rate = rows * n * k / ms / 1e6

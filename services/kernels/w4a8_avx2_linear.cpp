@@ -37,17 +37,14 @@ inline GroupScale round_group(const T* x, int64_t K, int64_t k0, int8_t* q) {
   // vcvtps2dq rounds halves to even (the default rounding mode), as torch.round does
   const __m256 d = _mm256_set1_ps(amax > 0.f ? s : 1.f);
   alignas(32) int32_t levels[kGroup];
-  __m256i sum = _mm256_setzero_si256();
-  for (int i = 0; i < 4; ++i) {
-    const __m256i l = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_load_ps(v + 8 * i), d));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(levels + 8 * i), l);
-    sum = _mm256_add_epi32(sum, l);
+  for (int i = 0; i < 4; ++i)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(levels + 8 * i),
+                       _mm256_cvtps_epi32(_mm256_div_ps(_mm256_load_ps(v + 8 * i), d)));
+  int32_t total = 0;  // exact in any order
+  for (int64_t k = 0; k < kGroup; ++k) {
+    q[k] = static_cast<int8_t>(levels[k]);  // within +-127
+    total += levels[k];
   }
-  for (int64_t k = 0; k < kGroup; ++k) q[k] = static_cast<int8_t>(levels[k]);  // within +-127
-  alignas(32) int32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
-  int32_t total = 0;
-  for (int32_t l : lanes) total += l;
   return {s, s * static_cast<float>(total)};
 }
 
@@ -107,8 +104,8 @@ void product(const Panels& w, const T* x, int64_t M, int64_t K, const float* bia
     for (int64_t b = p0; b < p1; b += kPanelBlock)
       for (int64_t m0 = 0; m0 < M; m0 += kMR)
         for (int64_t p = b; p < std::min(b + kPanelBlock, p1); ++p) {
-          if (M - m0 >= 2)
-            panel_rows<2>(w, xr, m0, p, bias, y);
+          if (M - m0 >= kMR)
+            panel_rows<kMR>(w, xr, m0, p, bias, y);
           else
             panel_rows<1>(w, xr, m0, p, bias, y);
         }
