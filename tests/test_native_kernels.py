@@ -37,6 +37,24 @@ def test_skinny_linear_matches_f_linear(native, dtype, rows, out_features, in_fe
 
 
 @VARIANTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 37, 64), (3, 130, 200), (5, 9, 1000)])
+def test_skinny_linear_rounds_the_sum_and_the_bias_once(native, dtype, rows, out_features, in_features, variant):
+    # Small integers: every float32 sum is exact (up to ~10^4, beyond bf16's and fp16's integers), so y must be
+    # exactly (sum + bias) rounded once to x's dtype, as torch's CPU linear rounds it; rounding the sum first and
+    # then the sum with the bias would differ.
+    g = torch.Generator().manual_seed(rows + in_features)
+    x = torch.randint(-8, 9, (rows, in_features), generator=g).to(dtype)
+    w = torch.randint(-8, 9, (out_features, in_features), generator=g).to(dtype)
+    bias = torch.randint(-300, 301, (out_features,), generator=g).to(dtype)
+    want = (x.double() @ w.double().T + bias.double()).to(dtype)
+    assert torch.equal(native.skinny_linear(x, w, None, bias, *variant), want)
+    assert torch.equal(native.skinny_linear(x, w, None, None, *variant), (x.double() @ w.double().T).to(dtype))
+    int8 = native.skinny_linear(x, w.to(torch.int8), torch.ones(out_features), bias, *variant)  # x paired for bf16
+    assert torch.equal(int8, want)
+
+
+@VARIANTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 3, 5), (2, 17, 40), (7, 33, 129), (1, 6, 256),
                                                            (5, 4, 200), (1, 75, 64)])
@@ -88,6 +106,32 @@ def test_paged_decode_attention_matches_the_gather_and_sdpa_reference(native, dt
     got = native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens_tensor, meta.block_size, 0.3)
     want = torch_decode_attention(q.float(), cache.float(), meta, 0.3)
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (12, 4, 16), (6, 2, 24)])
+def test_paged_decode_attention_does_not_depend_on_the_batch_or_the_threads(native, dtype, heads, kv_heads,
+                                                                            head_dim):
+    # The kernel groups kv heads into tasks by batch size and thread count (a head per task, several, whole rows):
+    # a sequence's output must be bit for bit the same alone, in a batch, on 1, 2 or 3 threads.
+    q, cache, meta = decode_case(dtype, num_seqs=5, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                 block_size=16, context_lens=(70, 1, 33, 130, 16))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens_tensor, 16, 0.3)
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for i in range(5):
+                alone = native.paged_decode_attention(q[i : i + 1], cache, meta.block_tables[i : i + 1],
+                                                      meta.context_lens_tensor[i : i + 1], 16, 0.3)
+                assert torch.equal(alone[0], batch[i]), (n, i)
+            for size in (2, 3):
+                part = native.paged_decode_attention(q[:size], cache, meta.block_tables[:size],
+                                                     meta.context_lens_tensor[:size], 16, 0.3)
+                assert torch.equal(part, batch[:size]), (n, size)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
