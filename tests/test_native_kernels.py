@@ -78,6 +78,10 @@ def test_skinny_linear_refuses_mismatched_shapes(native):
         native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), None, None, 1, True)
     with pytest.raises(RuntimeError, match="parts names 4 rows in flight, one from each quarter"):
         native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), None, None, 1, False, True)
+    with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16, not Double"):
+        native.skinny_linear(torch.ones(1, 4, dtype=torch.float64), torch.ones(3, 4), None, None)
+    with pytest.raises(RuntimeError, match="bias must have one entry per output row"):
+        native.skinny_linear(torch.ones(1, 4), torch.ones(3, 4), None, torch.ones(2))
 
 
 def decode_case(dtype, num_seqs=3, heads=6, kv_heads=2, head_dim=24, block_size=4, context_lens=(1, 9, 17)):

@@ -228,7 +228,7 @@ void attend(const T* q, const T* cache, const int64_t* block_tables, const int64
   const T* values = cache + S * K * Dh;  // [S, K, Dh]
   // Tasks of as many kv heads as keep every thread busy. A batch no larger than the threads: the fewest tasks that
   // split evenly among them (batch 1 on 2 threads: 2 tasks of 4 of 8 heads, each token's slice a 512-byte run; a
-  // head per task, 8 tasks, read 128 bytes of each 1 KB row and waited on memory: 1.4-1.7x slower from memory, 1b
+  // head per task, 8 tasks, read 128 bytes of each 1 KB row and waited on memory: 1.2-1.7x slower from memory, 1b
   // shapes, AMD EPYC Zen 4). Larger batches: ~4 tasks each, a whole token row per task once the batch is large.
   // Each head's arithmetic is the same however the heads are grouped: the results do not depend on this choice.
   const int64_t threads = at::get_num_threads();

@@ -252,6 +252,8 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   const bool quantized = w.scalar_type() == at::kChar;
   TORCH_CHECK(quantized == scale.has_value(), "a scale goes with int8 weights, and only with them");
   TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have one entry per output row");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16, not ", x.scalar_type());
   torch::Tensor scale32;
   if (quantized) {
     scale32 = scale->to(at::kFloat).contiguous();
