@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
 from services.int4_weight import Int4Weight
+from services.kernels.decode_chain import DecodeChains
 from services.kernels.decoder_glue import DecoderGlue, rms_norm
 from services.kernels.kernel_plan import KernelPlan
 from services.model_config import ModelConfig
@@ -78,6 +79,8 @@ class LlamaModel:
         self.prefill_kernel = self.plan.prefill_attention  # None: SDPA (always on a GPU)
         self.glue = DecoderGlue(self.plan.native)  # residual adds, norms, rotary: one native pass each on a CPU
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        # decode steps' layers in one native call where the host has it (kernels/decode_chain.py); None: the loop
+        self.chains = DecodeChains.for_model(self)
 
     def _into_huge_pages(self) -> None:
         """Every matrix a decode step streams, moved into 2 MB pages (services/weight_arena.py)."""
@@ -134,11 +137,14 @@ class LlamaModel:
         # residual add is fused with the norm that reads its sum (the next layer's input norm, or the final one).
         h, x = self.glue.residual_norm(self._embed(input_ids), None, self.layers[0].input_norm, eps)
         rope = self.rotary.tables(positions, h.dtype)  # shared by every layer
-        with sdpa_kernel(GPU_ATTENTION_BACKENDS) if h.is_cuda else contextlib.nullcontext():
-            for layer, layer_cache, next_norm in zip(self.layers, kv_cache, self._next_norms):
-                h, x = self.glue.residual_norm(h, self._attention(layer, x, rope, meta, layer_cache), layer.post_norm,
-                                               eps)
-                h, x = self.glue.residual_norm(h, self._mlp(layer, x), next_norm, eps)
+        if self.chains is not None and meta.decode_mask is not None:  # the same kernels, called from C++
+            x = self.chains.run(h, x, rope, meta, kv_cache)
+        else:
+            with sdpa_kernel(GPU_ATTENTION_BACKENDS) if h.is_cuda else contextlib.nullcontext():
+                for layer, layer_cache, next_norm in zip(self.layers, kv_cache, self._next_norms):
+                    h, x = self.glue.residual_norm(h, self._attention(layer, x, rope, meta, layer_cache),
+                                                   layer.post_norm, eps)
+                    h, x = self.glue.residual_norm(h, self._mlp(layer, x), next_norm, eps)
         logits = self.plan.linear(x[logit_indices], self.lm_head).float()  # [M, V / size]
         return logits if self.group is None else self.group.gather_rows(logits)
 

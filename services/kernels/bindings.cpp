@@ -1,6 +1,8 @@
 // The Python names of the native kernels (each defined, with its shapes, in its own file).
 #include <torch/extension.h>
 
+#include "decode_chain.h"
+
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                             const c10::optional<torch::Tensor>& bias, int64_t rows, bool non_temporal, bool parts);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
@@ -86,4 +88,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"));
   m.def("rotate_heads", &rotate_heads, "x [N, P, Dh] rotated in place by cos and sign-folded sin [N, Dh]");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence over the paged pool, in place");
+  py::class_<ChainProduct>(m, "ChainProduct", "one product of a DecodeChain: a native kernel, or a Python call")
+      .def(py::init<std::string, std::vector<c10::optional<torch::Tensor>>, c10::optional<torch::Tensor>,
+                    std::vector<int64_t>, py::object>(),
+           py::arg("kernel"), py::arg("tensors"), py::arg("bias"), py::arg("options"), py::arg("call"));
+  py::class_<DecodeChain>(m, "DecodeChain", "a decode step's decoder layers in one call (decode_chain.cpp)")
+      .def(py::init<std::vector<ChainProduct>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t,
+                    int64_t, int64_t, double, double>(),
+           py::arg("products"), py::arg("post_norms"), py::arg("next_norms"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def("run", &DecodeChain::run, "-> x after the last layer; h updated in place", py::arg("h"), py::arg("x"),
+           py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
+           py::arg("block_size"), py::arg("cos"), py::arg("sin_signed"));
 }

@@ -79,6 +79,11 @@ class KernelPlan:
         """y = x @ weight^T (+ bias); x: [M, K], weight [N, K] (any format) -> [M, N]."""
         return self._table[weight_key(weight)][bucket_of(x.shape[0])](x, weight, bias)
 
+    def chosen(self, weight: torch.Tensor | Int8Weight | Int4Weight, bucket: int) -> tuple[str, LinearFn]:
+        """The candidate `linear` runs for `weight` in row bucket `bucket`: its name and its function."""
+        key = weight_key(weight)
+        return self.linear_choices[key][bucket], self._table[key][bucket]
+
     @property
     def decode_attention(self) -> DecodeKernel:
         if self.attention_choice == "native":

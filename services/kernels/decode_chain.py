@@ -1,0 +1,89 @@
+"""A decode step's decoder layers as one native call (decode_chain.cpp) instead of the forward's Python loop.
+
+Between two weight streams the forward's loop runs ~12 torch operators a layer from Python; on an AMD EPYC Zen 4
+(2 threads, bf16 `1b`) that cost ~5 ms of a ~60 ms step: the calls themselves, and the caches refilling with
+Python's and torch's code and data after every product had streamed a weight through them. The chain runs the same
+kernels in the same order from C++, so its values are the forward's bit for bit: each product is the kernel the
+plan chose for the step's row count, called directly where it is a native one (decode_chain.h lists which) and
+through the plan's own Python function otherwise (oneDNN, torch, w4a8, w8a8).
+
+Used for decode-only steps (one new token per sequence) on a CPU with the native build and the native decode
+attention chosen, without tensor parallelism and without per-head q/k norms (Qwen3); elsewhere the forward's loop
+runs. One chain per row bucket, built on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.attention import AttentionMetadata
+from services.int4_weight import Int4Weight
+from services.kernels.kernel_plan import bucket_of
+from services.kernels.linear_candidates import SKINNY_VARIANTS, X16_VARIANTS
+from services.quantized_weight import Int8Weight
+from services.w4a8_weight import W4A8Weight
+
+if TYPE_CHECKING:
+    from services.model import LlamaModel
+
+# X16_VARIANTS' name suffixes ("", ".4streams", ".nt", ".4streams.nt", linear_candidates._parts_name) -> options
+_STREAMS = {f"{f'.{s}streams' if s > 1 else ''}{'.nt' if nt else ''}": [s, int(nt)] for s, nt in X16_VARIANTS}
+
+
+def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> tuple[str, list, list[int]]:
+    """How decode_chain.cpp runs candidate `name` (linear_candidates.py) on `weight` itself: (kernel, tensors,
+    options) of the native kernel that candidate calls, or ("call", [], []) where only its Python function can."""
+    if isinstance(weight, W4A8Weight):  # its x is rounded in Python first (w4a8_candidates.py)
+        return "call", [], []
+    if isinstance(weight, Int4Weight):
+        for kernel, prefix in (("int4_x16", "native.x16"), ("int4", "native")):
+            if name.startswith(prefix) and name[len(prefix):] in _STREAMS:
+                return kernel, [weight.packed, weight.scale, weight.low], _STREAMS[name[len(prefix):]]
+        return "call", [], []
+    values, scale = (weight.qweight, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
+    if name in SKINNY_VARIANTS:
+        return "skinny", [values, scale], [int(v) for v in SKINNY_VARIANTS[name]]
+    if scale is not None and name.startswith("native.x16") and name[len("native.x16"):] in _STREAMS:
+        return "int8_x16", [values, scale], _STREAMS[name[len("native.x16"):]]
+    return "call", [], []
+
+
+class DecodeChains:
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self._chains: dict[int, object] = {}  # row bucket -> the native DecodeChain
+
+    @classmethod
+    def for_model(cls, model: LlamaModel) -> DecodeChains | None:
+        """The model's chains, or None where its decode steps must take the forward's loop (see the module doc)."""
+        native = model.plan.native
+        usable = (native is not None and hasattr(native, "DecodeChain") and model.embed.device.type == "cpu"
+                  and model.group is None and model.plan.attention_choice == "native"
+                  and all(layer.q_norm is None for layer in model.layers))
+        return cls(model) if usable else None
+
+    def run(self, h: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+            kv_cache: torch.Tensor) -> torch.Tensor:
+        """Every layer of a decode step: h [N, D] the residual stream (updated in place), x [N, D] its normalized
+        copy; rope: the forward's cos, sin_signed [N, 1, Dh]; kv_cache [L, 2, S, K, Dh]. Returns the final x."""
+        bucket = bucket_of(h.shape[0])
+        chain = self._chains.get(bucket) or self._chains.setdefault(bucket, self._build(bucket))
+        cos, sin_signed = rope
+        return chain.run(h, x, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens_tensor,
+                         meta.block_size, cos.squeeze(1), sin_signed.squeeze(1))
+
+    def _build(self, bucket: int):
+        model, native = self.model, self.model.plan.native
+        products = []
+        for layer in model.layers:
+            for weight, bias in ((layer.qkv, layer.qkv_bias), (layer.o, None), (layer.gate_up, None),
+                                 (layer.down, None)):
+                name, fn = model.plan.chosen(weight, bucket)
+                kernel, tensors, options = chain_product(name, weight)
+                call = None if kernel != "call" else (lambda x, fn=fn, weight=weight, bias=bias: fn(x, weight, bias))
+                products.append(native.ChainProduct(kernel, tensors, bias, options, call))
+        c = model.config
+        return native.DecodeChain(products, [layer.post_norm for layer in model.layers], model._next_norms,
+                                  model.num_heads, model.num_kv_heads, c.head_dim, c.rms_norm_eps, model.scale)

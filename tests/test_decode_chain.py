@@ -1,0 +1,118 @@
+"""A decode step's layers in one native call (services/kernels/decode_chain.*): the same kernels as the forward's
+Python loop, so the same logits bit for bit, whichever kernel the plan chose for each product and whatever the
+weights' format; and the models and steps it must leave to the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_vs_transformers import engine_logits
+
+from services import Engine, SamplingParams
+from services.kernels.decode_chain import DecodeChains, chain_product
+from services.kernels.kernel_plan import BUCKETS, MAX_ROWS, KernelPlan
+from services.kernels.linear_candidates import candidates
+
+PROMPT = [5, 17, 3, 99, 250, 8, 41, 77, 12, 300, 6, 64, 2, 180]
+FORMATS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("bfloat16", "int8"), ("bfloat16", "int4"),
+           ("float32", "int4"), ("bfloat16", "w4a8"), ("float32", "w8a8")]
+
+
+def plan_choosing(model, pick) -> None:
+    """model's plan replaced by one that runs candidate pick(names offered) for every weight and bucket, and its
+    chains rebuilt from it."""
+    old = model.plan
+    choices = {}
+    for key in old.linear_choices:
+        offered = [candidates(key[-1], True, key[1], MAX_ROWS[b], old.native, packed=True,
+                              compute=model.embed.dtype) for b in range(len(BUCKETS))]
+        choices[key] = tuple(pick(list(names)) for names in offered)
+    model.plan = KernelPlan(choices, "native", old.native, torch.device("cpu"))
+    model.chains = DecodeChains.for_model(model)
+
+
+def loop_and_chain_logits(engine: Engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    model = engine.runner.model
+    chains, model.chains = model.chains, None
+    loop = engine_logits(engine, prompt, 1)  # every position a decode step
+    model.chains = chains
+    return loop, engine_logits(engine, prompt, 1)
+
+
+@pytest.mark.parametrize("dtype,quantization", FORMATS)
+def test_the_chain_has_the_loops_logits_bit_for_bit_with_every_kernel(native, tiny_path, dtype, quantization):
+    engine = Engine(tiny_path, dtype=dtype, quantization=quantization, kernels="native", block_size=4)
+    model = engine.runner.model
+    assert model.chains is not None
+    names = {n for key in model.plan.linear_choices
+             for n in candidates(key[-1], True, key[1], 1, native, packed=True, compute=model.embed.dtype)}
+    kinds = set()
+    for name in sorted(names):  # each candidate wherever it is offered, the first offered elsewhere
+        plan_choosing(model, lambda offered: name if name in offered else offered[0])
+        weight = model.layers[0].gate_up
+        kinds.add(chain_product(model.plan.chosen(weight, 0)[0], weight)[0])
+        loop, chain = loop_and_chain_logits(engine, PROMPT)
+        assert torch.equal(loop, chain), name
+    # the native kernels are called from C++ and the others through the plan's Python function
+    native_kinds = {None: {"skinny"}, "int8": {"skinny"}, "int4": {"int4"}, "w4a8": set(), "w8a8": set()}[quantization]
+    if hasattr(native, "int8_x16_linear") and quantization in ("int8", "int4"):
+        native_kinds.add(f"{quantization}_x16")
+    assert kinds == native_kinds | {"call"}
+
+
+def test_batched_decode_steps_sample_what_the_loop_samples(native, tiny_path):
+    # three sequences a step (the 2-8 bucket), through the whole engine: tokens and their logprobs alike
+    engine = Engine(tiny_path, dtype="bfloat16", kernels="native", block_size=4)
+    prompts = [PROMPT, PROMPT[3:], PROMPT[::-1]]
+    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0, logprobs=3)
+
+    def run():
+        return [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
+
+    with_chain = run()
+    engine.runner.model.chains = None
+    assert run() == with_chain
+    assert len(with_chain[0][0]) == 10
+
+
+def test_models_and_plans_it_leaves_to_the_loop(native, tiny_path):
+    engine = Engine(tiny_path, dtype="float32", kernels="native")
+    model = engine.runner.model
+    model.layers[0].q_norm = torch.ones(model.config.head_dim)  # Qwen3's per-head norms: not in the chain
+    assert DecodeChains.for_model(model) is None
+    model.layers[0].q_norm = None
+    model.plan.attention_choice = "torch"  # the chain always attends with the native kernel
+    assert DecodeChains.for_model(model) is None
+    assert Engine(tiny_path, dtype="float32", kernels="torch").runner.model.chains is None
+
+
+def test_bad_products_and_steps_are_refused(native, tiny_path):
+    with pytest.raises(RuntimeError, match="no chain kernel named"):
+        native.ChainProduct("gemv", [], None, [], None)
+    with pytest.raises(RuntimeError, match="takes 2 tensors and 3 options"):
+        native.ChainProduct("skinny", [torch.zeros(2, 2)], None, [1, 0, 0], None)
+    with pytest.raises(RuntimeError, match="needs a callable"):
+        native.ChainProduct("call", [], None, [], None)
+    engine = Engine(tiny_path, dtype="float32", kernels="native")
+    model, runner = engine.runner.model, engine.runner
+    chain = model.chains._build(0)
+    h = torch.zeros(1, model.config.hidden_size)
+    cos = sin = torch.zeros(1, model.config.head_dim)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    outside = torch.tensor([runner.kv_slots.shape[2]])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        chain.run(h, h.clone(), runner.kv_slots, outside, tables, lens, engine.block_manager.block_size, cos, sin)
+    with pytest.raises(RuntimeError, match="one int64 slot per row"):
+        chain.run(h, h.clone(), runner.kv_slots, torch.zeros(2, dtype=torch.int64), tables, lens, 16, cos, sin)
+
+
+def test_the_benchmark_alternates_chain_and_loop_steps(native):
+    from argparse import Namespace
+
+    from benchmarks.decode_chain import measure
+
+    args = Namespace(preset="tiny", dtype="float32", threads=torch.get_num_threads(), context=20, rounds=3)
+    result = measure(args, "int8", 2)
+    assert result["quantization"] == "int8" and result["batch"] == 2
+    assert [len(result["times"][k]) for k in ("loop", "chain")] == [3, 3] and 0 <= result["chain_won"] <= 3
+    assert result["difference_ms"] == sorted(a - b for a, b in zip(result["times"]["loop"], result["times"]["chain"]))[1]
