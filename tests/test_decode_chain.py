@@ -48,7 +48,7 @@ def test_the_chain_has_the_loops_logits_bit_for_bit_with_every_kernel(native, ti
              for n in candidates(key[-1], True, key[1], 1, native, packed=True, compute=model.embed.dtype)}
     kinds = set()
     for name in sorted(names):  # each candidate wherever it is offered, the first offered elsewhere
-        plan_choosing(model, lambda offered: name if name in offered else offered[0])
+        plan_choosing(model, lambda offered, name=name: name if name in offered else offered[0])
         weight = model.layers[0].gate_up
         kinds.add(chain_product(model.plan.chosen(weight, 0)[0], weight)[0])
         loop, chain = loop_and_chain_logits(engine, PROMPT)

@@ -71,7 +71,10 @@ torch::Tensor ChainProduct::operator()(const torch::Tensor& x) const {
     case Kernel::kInt8X16: return int8_x16_linear(x, *tensors[0], *tensors[1], bias, options[0], options[1]);
     case Kernel::kInt4X16: return int4_x16_linear(x, *tensors[0], *tensors[1], *tensors[2], bias, options[0], options[1]);
 #endif
-    default: return call(x).cast<torch::Tensor>();
+    default: {
+      py::gil_scoped_acquire python;  // run() let go of it
+      return call(x).cast<torch::Tensor>();
+    }
   }
 }
 
@@ -102,6 +105,9 @@ torch::Tensor DecodeChain::run(torch::Tensor h, torch::Tensor x, const torch::Te
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) TORCH_CHECK(slots[n] >= 0 && slots[n] < S, "slot ", slots[n], " outside the pool");
   char* pool = static_cast<char*>(kv_cache.data_ptr());
+  // The step runs without Python's lock, as torch's own operators do: an engine thread holding it for a whole step
+  // (60-300 ms) would stall the event loop that streams tokens and takes requests (only "call" products take it back)
+  py::gil_scoped_release no_python;
   for (int64_t l = 0; l < L; ++l) {
     const ChainProduct* p = products_.data() + 4 * l;  // qkv, o, gate_up, down
     // attention: q | k | v heads of one product; q and k rotated together, k and v stored, the pool attended
