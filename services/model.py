@@ -6,6 +6,8 @@ Weights arrive with Hugging Face names; q/k/v and gate/up are fused at load, so 
 four matrix products, each through the kernel plan's `linear` (the fastest kernel measured on this
 host for that weight and row count); with `quantization` the four and lm_head are weight-only
 quantized (int4: lm_head in int8; the embedding lookup, norms and KV stay in the compute dtype).
+A decode step on a CPU with the native build runs its layers in one native call over the same kernels
+(services/kernels/decode_chain.py: the same logits, without Python between the products).
 With a tensor-parallel `group`, the weights arrive already sharded (services/tensor_parallel_shards.py):
 H and K are then this rank's heads, o and down are summed over the ranks (all-reduce), the embedding
 rows are this rank's vocab slice (looked up, summed), and the logits are gathered on rank 0 only.

@@ -60,10 +60,11 @@ def test_the_chain_has_the_loops_logits_bit_for_bit_with_every_kernel(native, ti
     assert kinds == native_kinds | {"call"}
 
 
-def test_batched_decode_steps_sample_what_the_loop_samples(native, tiny_path):
-    # three sequences a step (the 2-8 bucket), through the whole engine: tokens and their logprobs alike
+@pytest.mark.parametrize("batch", [3, 10])
+def test_batched_decode_steps_sample_what_the_loop_samples(native, tiny_path, batch):
+    # 3 or 10 sequences a step (the 2-8 and 9-64 buckets), through the whole engine: tokens and logprobs alike
     engine = Engine(tiny_path, dtype="bfloat16", kernels="native", block_size=4)
-    prompts = [PROMPT, PROMPT[3:], PROMPT[::-1]]
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(batch)]
     params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0, logprobs=3)
 
     def run():
