@@ -61,7 +61,7 @@ class Engine:
         self.runner = ModelRunner(self.model_config, weights, self.dtype, self.device, self.config.block_size,
                                   num_blocks, self.max_model_len, self.config.quantization, self.config.kernels,
                                   self.tensor_parallel)
-        log.info("%s", self.runner.model.plan.summary)
+        log.info("%s", self.runner.model.kernel_summary)
         if self.runner.gpu_decode_attention is not None:
             log.info("decode attention on %s: %s (services/gpu_decode_attention.py)", self.device,
                      self.runner.gpu_decode_attention)

@@ -84,6 +84,11 @@ class LlamaModel:
         # decode steps' layers in one native call where the host has it (kernels/decode_chain.py); None: the loop
         self.chains = DecodeChains.for_model(self)
 
+    @property
+    def kernel_summary(self) -> str:
+        """The plan's choices, and whether decode steps run as one native call: for the start-up log and stats()."""
+        return self.plan.summary + ("; decode steps: one native call (decode_chain)" if self.chains else "")
+
     def _into_huge_pages(self) -> None:
         """Every matrix a decode step streams, moved into 2 MB pages (services/weight_arena.py)."""
         if self.embed.device.type != "cpu":

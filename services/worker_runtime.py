@@ -124,7 +124,7 @@ def worker_stats(spec: WorkerSpec, engine: AsyncEngine, node_id: str, peaks, que
         num_tokens_processed=e.num_tokens_processed, num_prefix_queries=bm.num_prefix_queries,
         num_prefix_hits=bm.num_prefix_hits, num_steps=engine.num_steps, draining=draining,
         device=str(e.device) if spec.tensor_parallel_size == 1 else f"{e.device} x {spec.tensor_parallel_size} ranks",
-        quantization=e.config.quantization, kernels=e.runner.model.plan.summary,
+        quantization=e.config.quantization, kernels=e.runner.model.kernel_summary,
         num_queued_tokens=_queued_tokens(e.scheduler),
         prefill_flops=phases.prefill_flops, prefill_seconds=phases.prefill_seconds,
         decode_bytes=phases.decode_bytes, decode_seconds=phases.decode_seconds,

@@ -84,7 +84,10 @@ def test_models_and_plans_it_leaves_to_the_loop(native, tiny_path):
     model.layers[0].q_norm = None
     model.plan.attention_choice = "torch"  # the chain always attends with the native kernel
     assert DecodeChains.for_model(model) is None
-    assert Engine(tiny_path, dtype="float32", kernels="torch").runner.model.chains is None
+    torch_only = Engine(tiny_path, dtype="float32", kernels="torch").runner.model
+    assert torch_only.chains is None and "decode_chain" not in torch_only.kernel_summary
+    assert Engine(tiny_path, dtype="float32", kernels="native").runner.model.kernel_summary.endswith(
+        "; decode steps: one native call (decode_chain)")
 
 
 def test_bad_products_and_steps_are_refused(native, tiny_path):
