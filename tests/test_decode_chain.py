@@ -76,12 +76,26 @@ def test_batched_decode_steps_sample_what_the_loop_samples(native, tiny_path, ba
     assert len(with_chain[0][0]) == 10
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_per_head_q_and_k_norms_in_the_chain(native, tiny_path, dtype):
+    # Qwen3 normalizes each head of q and k before the rotation: the chain in the same torch operators
+    engine = Engine(tiny_path, dtype=dtype, kernels="native", block_size=4)
+    model = engine.runner.model
+    generator = torch.Generator().manual_seed(3)
+    for layer in model.layers:
+        layer.q_norm, layer.k_norm = (1 + 0.3 * torch.randn(2, model.config.head_dim, generator=generator)).to(
+            model.embed.dtype)
+    model.chains = DecodeChains.for_model(model)
+    loop, chain = loop_and_chain_logits(engine, PROMPT)
+    assert torch.equal(loop, chain)
+    model.layers[1].k_norm = None
+    with pytest.raises(RuntimeError, match="a q norm goes with a k norm"):
+        model.chains._build(0)
+
+
 def test_models_and_plans_it_leaves_to_the_loop(native, tiny_path):
     engine = Engine(tiny_path, dtype="float32", kernels="native")
     model = engine.runner.model
-    model.layers[0].q_norm = torch.ones(model.config.head_dim)  # Qwen3's per-head norms: not in the chain
-    assert DecodeChains.for_model(model) is None
-    model.layers[0].q_norm = None
     model.plan.attention_choice = "torch"  # the chain always attends with the native kernel
     assert DecodeChains.for_model(model) is None
     torch_only = Engine(tiny_path, dtype="float32", kernels="torch").runner.model

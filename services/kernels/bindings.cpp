@@ -93,9 +93,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, py::object>(),
            py::arg("kernel"), py::arg("tensors"), py::arg("bias"), py::arg("options"), py::arg("call"));
   py::class_<DecodeChain>(m, "DecodeChain", "a decode step's decoder layers in one call (decode_chain.cpp)")
-      .def(py::init<std::vector<ChainProduct>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t,
+      .def(py::init<std::vector<ChainProduct>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>, int64_t,
                     int64_t, int64_t, double, double>(),
-           py::arg("products"), py::arg("post_norms"), py::arg("next_norms"), py::arg("num_heads"),
+           py::arg("products"), py::arg("post_norms"), py::arg("next_norms"), py::arg("q_norms"), py::arg("k_norms"),
+           py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("run", &DecodeChain::run, "-> x after the last layer; h updated in place", py::arg("h"), py::arg("x"),
            py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),

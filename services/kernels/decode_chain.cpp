@@ -7,6 +7,7 @@
 //   products:   4 L in layer order (decode_chain.h), each the kernel the plan chose for this row count: qkv
 //               [(H + 2K) Dh, D] (with its bias, if any), o [D, H Dh], gate_up [2F, D], down [D, F]
 //   post_norms, next_norms: L x [D] (next: the following layer's input norm, the last layer's the final norm)
+//   q_norms, k_norms: L x [Dh] or None (Qwen3: each head of q and k normalized before the rotation)
 //   run(h, x, ...): h [N, D] the residual stream (updated in place), x [N, D] its normalized copy, the first layer's
 //               input; kv_cache [L, 2, S, K, Dh]; slot_mapping [N] int64 (where each new k / v goes);
 //               block_tables [N, max_blocks], context_lens [N] int64; cos, sin_signed [N, Dh]
@@ -78,14 +79,27 @@ torch::Tensor ChainProduct::operator()(const torch::Tensor& x) const {
   }
 }
 
+// services/kernels/decoder_glue.py's rms_norm over each head [*, Dh] (Qwen3's q and k norms) in the same torch
+// operators, so the same values: normalized in float32, scaled in the dtype.
+torch::Tensor head_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  torch::Tensor x32 = x.to(at::kFloat);
+  x32 = x32 * at::rsqrt(x32.pow(2).mean(-1, true) + eps);
+  return weight * x32.to(x.scalar_type());
+}
+
 DecodeChain::DecodeChain(std::vector<ChainProduct> products, std::vector<torch::Tensor> post_norms,
-                         std::vector<torch::Tensor> next_norms, int64_t num_heads, int64_t num_kv_heads,
+                         std::vector<torch::Tensor> next_norms, std::vector<c10::optional<torch::Tensor>> q_norms,
+                         std::vector<c10::optional<torch::Tensor>> k_norms, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, double eps, double scale)
     : products_(std::move(products)), post_norms_(std::move(post_norms)), next_norms_(std::move(next_norms)),
-      H_(num_heads), K_(num_kv_heads), Dh_(head_dim), eps_(eps), scale_(scale) {
+      q_norms_(std::move(q_norms)), k_norms_(std::move(k_norms)), H_(num_heads), K_(num_kv_heads), Dh_(head_dim),
+      eps_(eps), scale_(scale) {
   const size_t L = post_norms_.size();
-  TORCH_CHECK(L > 0 && products_.size() == 4 * L && next_norms_.size() == L,
-              "4 products, a post norm and a next norm per layer expected");
+  TORCH_CHECK(L > 0 && products_.size() == 4 * L && next_norms_.size() == L && q_norms_.size() == L &&
+                  k_norms_.size() == L,
+              "4 products, a post norm, a next norm and q / k norms (or None) per layer expected");
+  for (size_t l = 0; l < L; ++l)
+    TORCH_CHECK(q_norms_[l].has_value() == k_norms_[l].has_value(), "layer ", l, ": a q norm goes with a k norm");
   TORCH_CHECK(H_ > 0 && K_ > 0 && H_ % K_ == 0 && Dh_ > 0 && Dh_ % 2 == 0, "heads and head dim");
 }
 
@@ -110,17 +124,27 @@ torch::Tensor DecodeChain::run(torch::Tensor h, torch::Tensor x, const torch::Te
   py::gil_scoped_release no_python;
   for (int64_t l = 0; l < L; ++l) {
     const ChainProduct* p = products_.data() + 4 * l;  // qkv, o, gate_up, down
-    // attention: q | k | v heads of one product; q and k rotated together, k and v stored, the pool attended
+    // attention: q | k | v heads of one product; q and k rotated (together, unless each is normalized first: Qwen3),
+    // k and v stored, the pool attended
     torch::Tensor qkv = p[0](x).view({N, H_ + 2 * K_, Dh_});
-    torch::Tensor qk = qkv.narrow(1, 0, H_ + K_);
-    rotate_heads(qk, cos, sin_signed);
-    const char* rows = static_cast<const char*>(qkv.data_ptr());
-    const int64_t row_stride = qkv.stride(0) * qkv.element_size(), k_at = H_ * Dh_ * qkv.element_size();
-    for (int64_t half = 0; half < 2; ++half)  // keys, then values: this layer's [2, S, K, Dh]
+    torch::Tensor q = qkv.narrow(1, 0, H_), k = qkv.narrow(1, H_, K_), v = qkv.narrow(1, H_ + K_, K_);
+    if (q_norms_[l].has_value()) {
+      q = head_rms_norm(q, *q_norms_[l], eps_);
+      k = head_rms_norm(k, *k_norms_[l], eps_);
+      rotate_heads(q, cos, sin_signed);
+      rotate_heads(k, cos, sin_signed);
+    } else {
+      torch::Tensor qk = qkv.narrow(1, 0, H_ + K_);
+      rotate_heads(qk, cos, sin_signed);
+    }
+    for (int64_t half = 0; half < 2; ++half) {  // keys, then values: this layer's [2, S, K, Dh]
+      const torch::Tensor& from = half == 0 ? k : v;  // [N, K, Dh], each row's K * Dh elements contiguous
+      const char* rows = static_cast<const char*>(from.data_ptr());
       for (int64_t n = 0; n < N; ++n)
-        std::memcpy(pool + ((l * 2 + half) * S + slots[n]) * row_bytes, rows + n * row_stride + k_at + half * row_bytes,
+        std::memcpy(pool + ((l * 2 + half) * S + slots[n]) * row_bytes, rows + n * from.stride(0) * from.element_size(),
                     row_bytes);
-    torch::Tensor o = paged_decode_attention(qkv.narrow(1, 0, H_), kv_cache[l], block_tables, context_lens, block_size,
+    }
+    torch::Tensor o = paged_decode_attention(q, kv_cache[l], block_tables, context_lens, block_size,
                                              scale_);
     x = residual_rms_norm(h, p[1](o.view({N, H_ * Dh_})), post_norms_[l], eps_);
     // MLP: silu(gate) * up in torch's operators (each rounded to the dtype, as the forward's)

@@ -27,8 +27,9 @@ struct ChainProduct {
 class DecodeChain {
  public:
   DecodeChain(std::vector<ChainProduct> products, std::vector<torch::Tensor> post_norms,
-              std::vector<torch::Tensor> next_norms, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-              double eps, double scale);
+              std::vector<torch::Tensor> next_norms, std::vector<c10::optional<torch::Tensor>> q_norms,
+              std::vector<c10::optional<torch::Tensor>> k_norms, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, double eps, double scale);
   torch::Tensor run(torch::Tensor h, torch::Tensor x, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
                     const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
                     const torch::Tensor& cos, const torch::Tensor& sin_signed) const;
@@ -36,6 +37,7 @@ class DecodeChain {
  private:
   std::vector<ChainProduct> products_;  // 4 L: qkv, o, gate_up, down of each layer
   std::vector<torch::Tensor> post_norms_, next_norms_;  // L each
+  std::vector<c10::optional<torch::Tensor>> q_norms_, k_norms_;  // L each, None without per-head norms
   int64_t H_, K_, Dh_;
   double eps_, scale_;
 };

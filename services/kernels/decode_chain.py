@@ -8,8 +8,8 @@ plan chose for the step's row count, called directly where it is a native one (d
 through the plan's own Python function otherwise (oneDNN, torch, w4a8, w8a8).
 
 Used for decode-only steps (one new token per sequence) on a CPU with the native build and the native decode
-attention chosen, without tensor parallelism and without per-head q/k norms (Qwen3); elsewhere the forward's loop
-runs. One chain per row bucket, built on first use.
+attention chosen, without tensor parallelism; elsewhere the forward's loop runs. One chain per row bucket, built on
+first use.
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ class DecodeChains:
         """The model's chains, or None where its decode steps must take the forward's loop (see the module doc)."""
         native = model.plan.native
         usable = (native is not None and hasattr(native, "DecodeChain") and model.embed.device.type == "cpu"
-                  and model.group is None and model.plan.attention_choice == "native"
-                  and all(layer.q_norm is None for layer in model.layers))
+                  and model.group is None and model.plan.attention_choice == "native")
         return cls(model) if usable else None
 
     def run(self, h: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -86,4 +85,5 @@ class DecodeChains:
                 products.append(native.ChainProduct(kernel, tensors, bias, options, call))
         c = model.config
         return native.DecodeChain(products, [layer.post_norm for layer in model.layers], model._next_norms,
+                                  [layer.q_norm for layer in model.layers], [layer.k_norm for layer in model.layers],
                                   model.num_heads, model.num_kv_heads, c.head_dim, c.rms_norm_eps, model.scale)
