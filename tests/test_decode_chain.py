@@ -10,7 +10,7 @@ from test_model_vs_transformers import engine_logits
 
 from services import Engine, SamplingParams
 from services.kernels.decode_chain import DecodeChains, chain_product
-from services.kernels.kernel_plan import BUCKETS, MAX_ROWS, KernelPlan
+from services.kernels.kernel_plan import BUCKETS, MAX_ROWS, KernelPlan, weight_key
 from services.kernels.linear_candidates import candidates
 
 PROMPT = [5, 17, 3, 99, 250, 8, 41, 77, 12, 300, 6, 64, 2, 180]
@@ -134,3 +134,25 @@ def test_the_benchmark_alternates_chain_and_loop_steps(native):
     assert result["quantization"] == "int8" and result["batch"] == 2
     assert [len(result["times"][k]) for k in ("loop", "chain")] == [3, 3] and 0 <= result["chain_won"] <= 3
     assert result["difference_ms"] == sorted(a - b for a, b in zip(result["times"]["loop"], result["times"]["chain"]))[1]
+
+
+def test_an_error_in_a_called_back_product_reaches_the_caller(native, tiny_path):
+    engine = Engine(tiny_path, dtype="float32", kernels="native", block_size=4)
+    model = engine.runner.model
+    plan_choosing(model, lambda offered: "torch.linear" if "torch.linear" in offered else offered[0])
+
+    def broken(x, weight, bias):
+        raise ValueError("a product failed")
+
+    key = weight_key(model.layers[0].o)
+    model.plan._table[key] = (broken,) * len(BUCKETS)
+    model.chains = DecodeChains.for_model(model)
+    with pytest.raises(ValueError, match="a product failed"):
+        engine_logits(engine, PROMPT, 1)
+    model.plan = KernelPlan.choose([model.lm_head] + [w for layer in model.layers
+                                                      for w in (layer.qkv, layer.o, layer.gate_up, layer.down)],
+                                   (model.num_heads, model.num_kv_heads, model.config.head_dim), model.embed.dtype,
+                                   torch.device("cpu"), "native")
+    model.chains = DecodeChains.for_model(model)
+    loop, chain = loop_and_chain_logits(engine, PROMPT)  # the engine goes on: Python's lock was given back
+    assert torch.equal(loop, chain)
