@@ -8,6 +8,9 @@ shared host hits every system alike:
 - prefill of a 1,024-token prompt (first token included);
 - batch-32 decode with 1,024-token contexts (pdserve only: 32 sequences admitted with random KV,
   as a decode worker admits prefilled ones; llama-cpp-python's high-level API has one sequence).
+Each round takes every system's decode sample back to back (in reverse order every other round), then the prefills:
+pdserve's and llama.cpp's batch-1 decode of the same bits (bf16 / f16, int8 / Q8_0, 4-bit / Q4_0) are compared round
+by round, seconds apart, since a single round of either moves by 1.5x with this host's neighbours.
 The read-bandwidth and matmul ceilings are measured in the same run; the table gives each decode's
 MBU (bytes one step reads / its time / read bandwidth; llama.cpp's bytes: its GGUF file) two ways:
 against the run's best ceiling, and paired — each round's sample against a read ceiling re-measured
@@ -147,6 +150,23 @@ class TransformersRunner:
         return (time.perf_counter() - start) * 1e3
 
 
+# pdserve's modes and llama.cpp's GGUF type of the same weight bits
+SAME_BITS = {"float32": "f16", "bfloat16": "f16", "int8": "q8_0", "w8a8": "q8_0", "int4": "q4_0", "w4a8": "q4_0"}
+
+
+def same_bits_pairs(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
+    """Each pdserve mode against llama.cpp's of the same bits, round by round (their decode samples taken seconds
+    apart): llama.cpp's ms / pdserve's — above 1, pdserve faster — with the median and the rounds pdserve won."""
+    pairs = {}
+    for mode, qtype in SAME_BITS.items():
+        ours, theirs = samples.get(f"pdserve {mode}"), samples.get(f"llama.cpp {qtype}")
+        if ours and theirs:
+            ratios = [t / o for o, t in zip(ours["decode_ms"], theirs["decode_ms"])]
+            pairs[f"pdserve {mode} vs llama.cpp {qtype}"] = {"ratios": ratios, "median": statistics.median(ratios),
+                                                             "pdserve_faster": sum(r > 1 for r in ratios)}
+    return pairs
+
+
 def read_bytes(runner) -> int:
     """Bytes one batch-1 decode step reads (weights + the short context's KV); 0: not known (transformers)."""
     if isinstance(runner, PdserveRunner):
@@ -188,10 +208,14 @@ def main() -> None:
     samples = {name: {"decode_ms": [], "prefill_ms": [], "batch32_ms": []} for name in runners}
     paired_mbu = {name: [] for name in runners}
     for round_ in range(args.rounds):
-        for name, runner in runners.items():
+        order = list(runners) if round_ % 2 == 0 else list(reversed(runners))  # no system always first
+        for name in order:  # the decode samples back to back: the pairs below compare moments seconds apart
+            runner = runners[name]
             samples[name]["decode_ms"].append(runner.decode_ms(args.decode_tokens))
             if read_bytes(runner):
                 paired_mbu[name].append(read_bytes(runner) / (samples[name]["decode_ms"][-1] / 1e3) / probe(2))
+        for name in order:
+            runner = runners[name]
             samples[name]["prefill_ms"].append(runner.prefill_ms())
             if isinstance(runner, PdserveRunner):
                 samples[name]["batch32_ms"].append(runner.batch_decode_ms(32, 1024, args.batch_steps))
@@ -222,8 +246,14 @@ def main() -> None:
                         "batch-32 x 1,024-ctx step ms"], rows))
     print(f"read ceiling {read_bw / 1e9:.1f} GB/s (best of sum, GEMV, native GEMV; before and after); bf16 matmul "
           f"{before['matmul_flops']['bfloat16'] / 1e9:.0f} GFLOP/s")
+    pairs = same_bits_pairs(samples)
+    for pair, p in pairs.items():
+        print(f"{pair}, batch-1 decode, llama.cpp's ms / pdserve's per round: "
+              f"{' / '.join(f'{r:.2f}' for r in p['ratios'])}; median {p['median']:.2f}, pdserve faster in "
+              f"{p['pdserve_faster']} of {len(p['ratios'])}")
     path = write_results("vs_llama_cpp", {"environment": environment(), "model": describe(config),
-                                          "ceilings": {"before": before, "after": after}, "results": results})
+                                          "ceilings": {"before": before, "after": after}, "results": results,
+                                          "same_bits_pairs": pairs})
     print(f"wrote {path}")
 
 
