@@ -79,6 +79,8 @@ torch::Tensor ChainProduct::operator()(const torch::Tensor& x) const {
   }
 }
 
+namespace {
+
 // services/kernels/decoder_glue.py's rms_norm over each head [*, Dh] (Qwen3's q and k norms) in the same torch
 // operators, so the same values: normalized in float32, scaled in the dtype.
 torch::Tensor head_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -86,6 +88,8 @@ torch::Tensor head_rms_norm(const torch::Tensor& x, const torch::Tensor& weight,
   x32 = x32 * at::rsqrt(x32.pow(2).mean(-1, true) + eps);
   return weight * x32.to(x.scalar_type());
 }
+
+}  // namespace
 
 DecodeChain::DecodeChain(std::vector<ChainProduct> products, std::vector<torch::Tensor> post_norms,
                          std::vector<torch::Tensor> next_norms, std::vector<c10::optional<torch::Tensor>> q_norms,
