@@ -124,7 +124,7 @@ def _values_and_scale(weight: torch.Tensor | Int8Weight) -> tuple[torch.Tensor, 
 
 def _native(module: ModuleType, rows: int, non_temporal: bool = False, parts: bool = False) -> LinearFn:
     # rows: W rows in flight per thread (1: one sequential stream; 4: four streams, prefetched, into the caches
-    # or past them: non_temporal), adjacent rows or one from each quarter of the thread's rows (parts)
+    # or past them: non_temporal), adjacent rows or one from each quarter of the rows a thread takes at a time (parts)
     def skinny(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
         return module.skinny_linear(x, *_values_and_scale(weight), bias, rows, non_temporal, parts)
     return skinny
@@ -160,7 +160,7 @@ def _native_pairs(kernel: Callable) -> LinearFn:
 
 
 # skinny_linear's variants by candidate name: (W rows in flight per thread, non_temporal prefetch, the rows one
-# from each quarter of the thread's rows); the read ceilings time them too (services/hardware_peaks.py,
+# from each quarter of the rows a thread takes at a time); the read ceilings time them too (services/hardware_peaks.py,
 # benchmarks/ceilings.py)
 SKINNY_VARIANTS = {"native": (1, False, False), "native.4rows": (4, False, False), "native.4rows.nt": (4, True, False),
                    "native.4parts": (4, False, True), "native.4parts.nt": (4, True, True)}
