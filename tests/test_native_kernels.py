@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,3 +303,10 @@ def test_another_march_target_is_its_own_build_and_a_bad_one_is_refused(monkeypa
     with pytest.raises(ValueError, match="PDSERVE_NATIVE_MARCH must be a -march target such as native, znver3 or "
                                          "x86-64-v3, got 'native -O0'"):
         native_build.build_key()
+
+
+def test_every_source_beside_the_build_is_part_of_its_key():
+    # a header left out of the key would leave a stale cached build after it changed
+    folder = Path(native_build.__file__).parent
+    assert sorted(native_build.SOURCES) == sorted(p.name for p in folder.glob("*.cpp"))
+    assert sorted(native_build.HEADERS) == sorted(p.name for p in folder.glob("*.h"))

@@ -21,15 +21,17 @@ import torch
 from services.attention import AttentionMetadata
 from services.int4_weight import Int4Weight
 from services.kernels.kernel_plan import bucket_of
-from services.kernels.linear_candidates import SKINNY_VARIANTS, X16_VARIANTS
+from services.kernels.linear_candidates import SKINNY_VARIANTS, X16_VARIANTS, parts_name
 from services.quantized_weight import Int8Weight
 from services.w4a8_weight import W4A8Weight
 
 if TYPE_CHECKING:
     from services.model import LlamaModel
 
-# X16_VARIANTS' name suffixes ("", ".4streams", ".nt", ".4streams.nt", linear_candidates._parts_name) -> options
-_STREAMS = {f"{f'.{s}streams' if s > 1 else ''}{'.nt' if nt else ''}": [s, int(nt)] for s, nt in X16_VARIANTS}
+
+def _parts_options(name: str, kernel: str) -> list[int] | None:
+    """[streams, non_temporal] of candidate `name` if it is one of `kernel`'s X16_VARIANTS, else None."""
+    return next(([s, int(nt)] for s, nt in X16_VARIANTS if parts_name(kernel, s, nt) == name), None)
 
 
 def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> tuple[str, list, list[int]]:
@@ -38,15 +40,15 @@ def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> 
     if isinstance(weight, W4A8Weight):  # its x is rounded in Python first (w4a8_candidates.py)
         return "call", [], []
     if isinstance(weight, Int4Weight):
-        for kernel, prefix in (("int4_x16", "native.x16"), ("int4", "native")):
-            if name.startswith(prefix) and name[len(prefix):] in _STREAMS:
-                return kernel, [weight.packed, weight.scale, weight.low], _STREAMS[name[len(prefix):]]
+        for kernel, candidate in (("int4_x16", "native.x16"), ("int4", "native")):
+            if (options := _parts_options(name, candidate)) is not None:
+                return kernel, [weight.packed, weight.scale, weight.low], options
         return "call", [], []
     values, scale = (weight.qweight, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
     if name in SKINNY_VARIANTS:
         return "skinny", [values, scale], [int(v) for v in SKINNY_VARIANTS[name]]
-    if scale is not None and name.startswith("native.x16") and name[len("native.x16"):] in _STREAMS:
-        return "int8_x16", [values, scale], _STREAMS[name[len("native.x16"):]]
+    if scale is not None and (options := _parts_options(name, "native.x16")) is not None:
+        return "int8_x16", [values, scale], options
     return "call", [], []
 
 

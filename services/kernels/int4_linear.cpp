@@ -18,10 +18,11 @@
 // sum_g scale_g * dot(x_g, 128 + q_g) + sum_g (low_g - 128 scale_g) * sum(x_g). The words are ordered
 // so that the even lanes of vdpbf16ps sum the block's first group and the odd lanes its second: two
 // vdpbf16ps and one FMA (by the two scales, alternating) per 64 weights, plus one short dot per row;
-// x is put in the same order once per call. Threads split N, and each reads its rows as `streams` parts
-// (x16_groups.h's x16_product: a row of each part together for one x row), prefetched into the caches or past
-// them: one stream per thread left this kernel at 40 GB/s from memory on an AMD EPYC Zen 5 against 67 from the
-// caches; 4 parts read 42-48 (docs/kernels.md). On AVX2 CPUs (the float32 loop below) `streams` changes nothing.
+// x is put in the same order once per call. Threads take N's rows in chunks (thread_chunks.h), each read as
+// `streams` parts (x16_groups.h's x16_product: a row of each part together for one x row), prefetched into the
+// caches or past them: one stream per thread left this kernel at 40 GB/s from memory on an AMD EPYC Zen 5 against
+// 67 from the caches; 4 parts read 42-48 (docs/kernels.md). On AVX2 CPUs (the float32 loop below) `streams` changes
+// nothing.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,6 +34,7 @@
 
 #include "int4_block.h"
 #include "x16_groups.h"
+#include "thread_chunks.h"
 #include "vec_load.h"
 
 namespace {
@@ -165,12 +167,13 @@ inline torch::Tensor order_tensor(std::vector<int64_t>& order) {
 }
 
 // y [M, N] float32 = x [M, Kp] @ W^T through Blocks::row<MT> (MT <= kTile rows of x, in the order Blocks reads,
-// against one W row, given its group parameters as float32 and x's group sums xsum [M, Kp / G]). Threads split N.
+// against one W row, given its group parameters as float32 and x's group sums xsum [M, Kp / G]). Threads take N's rows
+// in chunks (thread_chunks.h).
 template <typename Blocks, typename X>
 void product(const X* x, const float* xsum, int64_t M, int64_t Kp, const uint8_t* packed, const at::Half* scale,
              const at::Half* low, float* y, int64_t N) {
   const int64_t groups = Kp / kGroup;
-  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(N, [&](int64_t n0, int64_t n1) {
     std::vector<float> sc(groups), lo(groups);
     float acc[kTile];
     for (int64_t m = 0; m < M; m += kTile) {

@@ -20,7 +20,7 @@
 // make four vectors of 16; vpmaddwd's int32 pair sums then alternate groups a b a b, and the four
 // vectors' sums are added before one conversion and one FMA by [scale_a * xscale_a, scale_b * xscale_b,
 // ...]. xq is stored in the four vectors' order per block, with its scales as 8 floats per block in the
-// lanes' pattern. Threads split N.
+// lanes' pattern. Threads take N's rows in chunks (thread_chunks.h).
 
 #include <torch/extension.h>
 

@@ -12,7 +12,8 @@
 //   y[m, n] = scale[n] * sum_g xscale[m, g] * (q_g . xq_g)
 // Why: the products become integer multiply-adds, 16 per instruction (vpmaddwd: q sign-extended to int16,
 // pairs summed into int32; a group's sum is at most 32 * 127 * 32767 < 2^31), where float32 needs two
-// conversions and an FMA per 8 weights. Threads split N; each W row is read once per 4 rows of x.
+// conversions and an FMA per 8 weights. Threads take N's rows in chunks (thread_chunks.h); each W row is read once
+// per 4 rows of x.
 
 #include <torch/extension.h>
 

@@ -173,7 +173,8 @@ X16_STREAMS = 4
 X16_VARIANTS = ((1, False), (X16_STREAMS, False), (1, True), (X16_STREAMS, True))
 
 
-def _parts_name(kernel: str, streams: int, non_temporal: bool) -> str:
+def parts_name(kernel: str, streams: int, non_temporal: bool) -> str:
+    """The candidate name of `kernel` reading W as `streams` parts, prefetched past the caches or not."""
     return kernel + (f".{streams}streams" if streams > 1 else "") + (".nt" if non_temporal else "")
 
 
@@ -212,10 +213,10 @@ def _format_candidates(weight_format: str, on_cpu: bool, in_features: int, max_r
         if on_cpu and native is not None and max_rows <= 64:
             # streams W, converts per row; with AVX512-BF16 its rows read as parts, prefetched as the x16 kernels'
             for streams, nt in X16_VARIANTS if getattr(native, "int4_linear_reads_parts", False) else ((1, False),):
-                found[_parts_name("native", streams, nt)] = _native_int4(native.int4_linear, streams, nt)
+                found[parts_name("native", streams, nt)] = _native_int4(native.int4_linear, streams, nt)
             if hasattr(native, "int4_x16_linear"):  # built on AVX2 CPUs: x as int16 per group, integer dots
                 for streams, nt in X16_VARIANTS:
-                    found[_parts_name("native.x16", streams, nt)] = _native_int4(native.int4_x16_linear, streams, nt)
+                    found[parts_name("native.x16", streams, nt)] = _native_int4(native.int4_x16_linear, streams, nt)
             if max_rows > 1:  # dequantizes 16 W rows at a time, then dense bf16 tiles: for batches
                 found["native.tiled"] = _native_int4(native.int4_tiled_linear)
         if on_cpu and native is not None and max_rows > 1 and hasattr(native, "tiled_linear"):
@@ -241,7 +242,7 @@ def _format_candidates(weight_format: str, on_cpu: bool, in_features: int, max_r
         if on_cpu and native is not None and max_rows <= 64 and hasattr(native, "int8_x16_linear"):
             # built on AVX2 CPUs: x as int16 per 32-column group, integer multiply-adds (int4's likewise)
             for streams, nt in X16_VARIANTS:
-                found[_parts_name("native.x16", streams, nt)] = _native_int8_x16(native.int8_x16_linear, streams, nt)
+                found[parts_name("native.x16", streams, nt)] = _native_int8_x16(native.int8_x16_linear, streams, nt)
     else:
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:

@@ -11,29 +11,28 @@
 //
 // Why: a decode step is a chain of these products, and all it does is read W. torch's CPU paths
 // stream 16-bit weights at half the read bandwidth on some hosts (see issue "decode at the
-// bandwidth limit"); this loop converts each W element in registers, reads each thread's rows as one
+// bandwidth limit"); this loop converts each W element in registers, reads each chunk of rows as one
 // sequential stream, and keeps four accumulators in flight, so the only limit is how fast memory
-// delivers W. Threads split N. The float32 loop is written once over FloatVec (vec_load.h): 16 lanes
-// with AVX-512, 8 with AVX2 (an AVX2-only Zen 3: bf16 W at 28.6 GB/s against torch's 20, see
-// docs/kernels.md).
+// delivers W. Threads take N's rows in chunks (thread_chunks.h). The float32 loop is written once over
+// FloatVec (vec_load.h): 16 lanes with AVX-512, 8 with AVX2 (an AVX2-only Zen 3: bf16 W at 28.6 GB/s
+// against torch's 20, see docs/kernels.md).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <vector>
 #include <type_traits>
 
+#include "thread_chunks.h"
 #include "vec_load.h"
 
 namespace {
 
 constexpr int kAcc = 4;  // accumulators per x row: R W rows x (kAcc / R) interleaved chunks of k
 constexpr int64_t kMaxTileM = 4;  // x rows per pass over W (4 x 4 accumulators fit in registers)
-constexpr int64_t kChunksPerThread = 16;  // W's rows in chunks the threads take in turn (skinny)
 
 // Where element k of a PairedBf16 row sits (see vec_load.h).
 inline int64_t paired_index(int64_t k, int64_t K) {
@@ -211,32 +210,24 @@ void run_tile(int64_t mt, const X* x, int64_t K, const W* w, int64_t n0, int64_t
   }
 }
 
-// finish(n0, n1): called by each thread once its rows n0 .. n1 - 1 of y (every x row) are summed, while they are
+// finish(n0, n1): called by a thread once a chunk's rows n0 .. n1 - 1 of y (every x row) are summed, while they are
 // still in its cache (skinny_linear rounds them into the output there).
 template <typename X, typename W>
 void skinny(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale, float* y, int64_t rows,
             bool non_temporal, bool parts, const std::function<void(int64_t, int64_t)>& finish) {
-  // W's rows (whole groups of `rows`) in kChunksPerThread chunks a thread, which the threads take from a shared
-  // counter: each chunk a contiguous stream, read once for every tile of x rows (with M <= 4 exactly once). Fixed
-  // halves left one thread waiting at the end of every product whenever the other ran slower (its core shared with a
-  // neighbour): the 65 bf16 products of a `1b` decode step, AMD EPYC Zen 4, 2 threads, alternated in one process,
-  // 75.9 -> 71.3 and 80.4 -> 74.6 ms (median; 31 and 25 of 40 rounds faster). Each row's sum is the same whoever
-  // computes it.
+  // W's rows in chunks of whole groups of `rows` that the threads take in turn (thread_chunks.h): each chunk a
+  // contiguous stream, read once for every tile of x rows (with M <= 4 exactly once).
   const int64_t groups = (N + rows - 1) / rows;
-  const int64_t threads = at::get_num_threads(), chunks = std::min(groups, kChunksPerThread * threads);
-  std::atomic<int64_t> next_chunk{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // (nested in a parallel region: one caller takes all)
-    for (int64_t c; (c = next_chunk.fetch_add(1)) < chunks;) {
-      const int64_t n0 = c * groups / chunks * rows, n1 = std::min(N, (c + 1) * groups / chunks * rows);
-      for (int64_t m = 0; m < M; m += kMaxTileM) {
-        const int64_t mt = std::min(kMaxTileM, M - m);
-        const X* xm = x + m * K;
-        if (rows == kAcc && non_temporal) run_tile<X, W, kAcc, 0>(mt, xm, K, w, n0, n1, parts, scale, y + m * N, N);
-        else if (rows == kAcc) run_tile<X, W, kAcc, 3>(mt, xm, K, w, n0, n1, parts, scale, y + m * N, N);
-        else run_tile<X, W, 1, 3>(mt, xm, K, w, n0, n1, false, scale, y + m * N, N);
-      }
-      finish(n0, n1);
+  parallel_chunks(groups, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * rows, n1 = std::min(N, g1 * rows);
+    for (int64_t m = 0; m < M; m += kMaxTileM) {
+      const int64_t mt = std::min(kMaxTileM, M - m);
+      const X* xm = x + m * K;
+      if (rows == kAcc && non_temporal) run_tile<X, W, kAcc, 0>(mt, xm, K, w, n0, n1, parts, scale, y + m * N, N);
+      else if (rows == kAcc) run_tile<X, W, kAcc, 3>(mt, xm, K, w, n0, n1, parts, scale, y + m * N, N);
+      else run_tile<X, W, 1, 3>(mt, xm, K, w, n0, n1, false, scale, y + m * N, N);
     }
+    finish(n0, n1);
   });
 }
 

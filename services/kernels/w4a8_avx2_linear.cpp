@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "vec_load.h"
+#include "thread_chunks.h"
 #include "w4a8_panels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
@@ -96,11 +97,12 @@ void panel_rows(const Panels& w, const RoundedRows& x, int64_t m0, int64_t p, co
   }
 }
 
-// Threads split the panels; each takes PB panels at a time past every MR rows of x (one pass for a decode step).
+// Threads take the panels in chunks (thread_chunks.h), PB panels of a chunk at a time past every MR rows of x (one
+// pass for a decode step).
 template <typename T>
 void product(const Panels& w, const T* x, int64_t M, int64_t K, const float* bias, T* y) {
   const RoundedRows xr = w4a8::round_rows(x, M, K, w.Kp, round_group<T>);
-  at::parallel_for(0, w.panels, 1, [&](int64_t p0, int64_t p1) {
+  parallel_chunks(w.panels, [&](int64_t p0, int64_t p1) {
     for (int64_t b = p0; b < p1; b += kPanelBlock)
       for (int64_t m0 = 0; m0 < M; m0 += kMR)
         for (int64_t p = b; p < std::min(b + kPanelBlock, p1); ++p) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "thread_chunks.h"
 #include "w4a8_panels.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -102,7 +103,7 @@ void panel_rows(const Weights& w, const RoundedRows& x, int64_t m0, int64_t p, c
 
 template <typename T>
 void few_rows(const Weights& w, const RoundedRows& x, int64_t M, const float* bias, T* y) {
-  at::parallel_for(0, w.panels, 1, [&](int64_t p0, int64_t p1) {
+  parallel_chunks(w.panels, [&](int64_t p0, int64_t p1) {  // chunks of panels the threads take in turn
     for (int64_t m0 = 0; m0 < M; m0 += kMR)
       for (int64_t p = p0; p < p1; ++p) switch (std::min(kMR, M - m0)) {
           case 1: panel_rows<1>(w, x, m0, p, bias, y); break;

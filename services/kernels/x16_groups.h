@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "thread_chunks.h"
 #include "vec_load.h"
 
 // The x16 kernels exist only where the CPU has AVX2, FMA and F16C.
@@ -106,10 +107,10 @@ auto with_prefetch_locality(bool non_temporal, F&& f) {
 // y [M, N] in x's dtype (bias [N] added, each value rounded once) of a kernel whose
 // rows(tile, parts, m, n, apart, acc) puts into acc[i * R + r] the float32 result of x row m + i against W row
 // n + r * apart, for i < MT = decltype(tile)::value (1..4) and r < R = decltype(parts)::value (1..kMaxParts; R > 1
-// only with MT = 1): compile-time constants, the kernels keep MT x R accumulators in registers. Threads split N;
-// each thread streams its W rows once for every 4 rows of x, as `streams` parts: for one x row (a decode step's
-// batch of 1) a row of each part is read together, their streams interleaved cache line by cache line; for
-// several, a row of each part in turn. The CPU's prefetchers follow each part as its own stream and DRAM serves
+// only with MT = 1): compile-time constants, the kernels keep MT x R accumulators in registers. Threads take N's
+// rows in chunks (thread_chunks.h); each chunk's W rows are streamed once for every 4 rows of x, as `streams`
+// parts: for one x row (a decode step's batch of 1) a row of each part is read together, their streams
+// interleaved cache line by cache line; for several, a row of each part in turn. The CPU's prefetchers follow each part as its own stream and DRAM serves
 // them from different pages at once: on an AMD EPYC Zen 2 (2 threads, a cycle of distinct int8 weights, one x
 // row) 4 parts read together streamed 28-31 GB/s against 21-26 for one part or 4 in turn; on a Zen 3, 4 parts in turn
 // read ~1.17x faster than 1 (int4's kernel, bound by its arithmetic there, ~0.75x): the kernel plan times both
@@ -128,7 +129,7 @@ torch::Tensor x16_product(const torch::Tensor& x, int64_t N, const c10::optional
   with_data(y, [&](auto* out) {
     using Out = std::remove_pointer_t<decltype(out)>;
     using One = std::integral_constant<int, 1>;
-    at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    parallel_chunks(N, [&](int64_t n0, int64_t n1) {
       float acc[std::max(kTile, kMaxParts)];
       const int64_t per = (n1 - n0) / streams;  // W rows of each part; the rest after them, in order
       for (int64_t m = 0; m < M; m += kTile) {
