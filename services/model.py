@@ -20,7 +20,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
@@ -156,8 +155,8 @@ class LlamaModel:
         return logits if self.group is None else self.group.gather_rows(logits)
 
     def _mlp(self, layer: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.plan.linear(x, layer.gate_up).chunk(2, dim=-1)  # [N, F] each
-        return self._reduce(self.plan.linear(F.silu(gate) * up, layer.down))
+        gate_up = self.plan.linear(x, layer.gate_up)  # [N, 2F]: gate | up
+        return self._reduce(self.plan.linear(self.glue.silu_mul(gate_up), layer.down))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:

@@ -91,3 +91,51 @@ def test_the_native_pass_refuses_what_it_cannot_read(native):
         native.rotate_heads(torch.ones(2, 8, 4).transpose(1, 2), torch.ones(2, 8), torch.ones(2, 8))
     with pytest.raises(RuntimeError, match=r"cos and sin_signed \[N, Dh\]"):
         native.rotate_heads(torch.ones(2, 3, 8), torch.ones(2, 4), torch.ones(2, 4))
+
+
+def silu_native(native):
+    if not hasattr(native, "silu_mul"):
+        pytest.skip("this host's build has no native silu_mul (AVX-512 BW/VL only); torch's operators run instead")
+    return native
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 1), (1, 8192), (3, 37), (70, 96)])
+def test_silu_mul_is_torchs_up_to_the_exponential(native, dtype, rows, width):
+    gate_up = random((rows, 2 * width), dtype, 7) * 4  # gates well into both tails
+    gate_up[0, 0] = 0.0
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = DecoderGlue(silu_native(native)).silu_mul(gate_up)
+    assert got.shape == (rows, width) and got.dtype == dtype and got[0, 0] == 0
+    # exp within ~1e-7 of Sleef's: silu's float32 value a few steps from torch's, so a 16-bit rounding of it
+    # rarely lands on the other neighbour (one unit of silu, then at most one more in the product)
+    torch.testing.assert_close(got.float(), want.float(), rtol=max(3 * ULP[dtype], 1e-6), atol=1e-6)
+    if dtype != torch.float32:
+        assert (got == want).float().mean() > 0.99
+
+
+def test_silu_mul_rounds_silu_before_the_product(native):
+    # gates where rounding silu to bf16 before multiplying by 3 gives another bf16 than rounding once at the end
+    gates = torch.tensor([-5.90625, -5.78125, -5.625], dtype=torch.bfloat16)
+    gate_up = torch.cat([gates, torch.full((3,), 3.0, dtype=torch.bfloat16)]).view(1, 6)
+    twice = torch.nn.functional.silu(gates) * 3.0
+    once = (torch.nn.functional.silu(gates.float()) * 3.0).bfloat16()
+    assert not torch.equal(twice, once)  # the cases tell the two apart
+    assert torch.equal(DecoderGlue(silu_native(native)).silu_mul(gate_up)[0], twice)
+
+
+def test_silu_mul_without_the_native_pass_is_torchs_two_operators():
+    gate_up = random((2, 10), torch.bfloat16, 8)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(DecoderGlue(None).silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_silu_mul_refuses_what_it_cannot_read(native):
+    silu_native(native)
+    with pytest.raises(RuntimeError, match=r"contiguous CPU \[N, 2F\]"):
+        native.silu_mul(torch.ones(2, 7))
+    with pytest.raises(RuntimeError, match=r"contiguous CPU \[N, 2F\]"):
+        native.silu_mul(torch.ones(8, 2).t())
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        native.silu_mul(torch.ones(1, 4, dtype=torch.float64))

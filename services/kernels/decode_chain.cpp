@@ -44,6 +44,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 torch::Tensor residual_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta,
                                 const torch::Tensor& weight, double eps);
 void rotate_heads(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+#endif
 
 ChainProduct::ChainProduct(std::string name, std::vector<c10::optional<torch::Tensor>> tensors_,
                            c10::optional<torch::Tensor> bias_, std::vector<int64_t> options_, py::object call_)
@@ -151,10 +154,14 @@ torch::Tensor DecodeChain::run(torch::Tensor h, torch::Tensor x, const torch::Te
     torch::Tensor o = paged_decode_attention(q, kv_cache[l], block_tables, context_lens, block_size,
                                              scale_);
     x = residual_rms_norm(h, p[1](o.view({N, H_ * Dh_})), post_norms_[l], eps_);
-    // MLP: silu(gate) * up in torch's operators (each rounded to the dtype, as the forward's)
+    // MLP: silu(gate) * up as the forward computes it (decoder_glue.py's silu_mul)
     torch::Tensor gate_up = p[2](x);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    torch::Tensor act = silu_mul(gate_up);
+#else
     const int64_t F = gate_up.size(1) / 2;
     torch::Tensor act = at::silu(gate_up.narrow(1, 0, F)).mul_(gate_up.narrow(1, F, F));
+#endif
     x = residual_rms_norm(h, p[3](act), next_norms_[l], eps_);
   }
   return x;

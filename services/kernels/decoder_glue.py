@@ -1,5 +1,5 @@
-"""The element-wise glue of a decoder layer: the residual add with the RMSNorm after it, and the
-rotary rotation of q and k. On a CPU with the native build (decoder_glue.cpp) each is one pass over
+"""The element-wise glue of a decoder layer: the residual add with the RMSNorm after it, the
+rotary rotation of q and k, and the MLP's silu(gate) * up. On a CPU with the native build (decoder_glue.cpp) each is one pass over
 its rows; elsewhere (a GPU, `kernels="torch"`, no compiler) torch's operators in Hugging Face's
 order. Both compute HF's values in the model's dtype; the native sum of squares may differ from
 torch's in its last float32 bit.
@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from services.rotary import RotaryEmbedding
 
@@ -41,6 +42,15 @@ class DecoderGlue:
             self.native.rotate_heads(x, cos.squeeze(1), sin_signed.squeeze(1))
             return x
         return RotaryEmbedding.apply(x, cos, sin_signed)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [N, 2F] -> silu(gate) * up [N, F]: one native pass where the build has it (AVX-512), else
+        torch's two operators. Both round silu to the dtype and then the product; the native exp may move a
+        16-bit result by one unit, rarely (decoder_glue.cpp)."""
+        if self._native_for(gate_up) and hasattr(self.native, "silu_mul") and gate_up.is_contiguous():
+            return self.native.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _native_for(self, x: torch.Tensor) -> bool:
         return self.native is not None and x.device.type == "cpu"
