@@ -72,10 +72,17 @@ struct NextRun {
   int64_t n, stride, lines;  // rows, elements from one row to the next, cache lines a row
 
   // (always inlined: called out of line, once per head, the bf16 path ran at half its speed from memory)
+  // Line l of the run is line l % lines of row l / lines, walked with a row and a line counter: a 64-bit division per
+  // prefetch (a quarter of the bf16 path's samples) cost one sequence's 500 tokens 46.3 -> 38.5 us from the caches,
+  // 32 sequences x 1,024 tokens 4.32 -> 3.95 ms (4.39 -> 4.12 right after a 64 MB product; AMD EPYC Zen 4, 2 threads).
   __attribute__((always_inline)) void fetch(int64_t part, int64_t parts) const {
-    const int64_t total = n * lines;
-    for (int64_t l = part * total / parts, end = (part + 1) * total / parts; l < end; ++l)
-      __builtin_prefetch(reinterpret_cast<const char*>(first + l / lines * stride) + 64 * (l % lines), 0, 2);
+    const int64_t total = n * lines, begin = part * total / parts, end = (part + 1) * total / parts;
+    if (begin >= end) return;
+    const char* row = reinterpret_cast<const char*>(first + begin / lines * stride);
+    for (int64_t l = begin, line = begin % lines; l < end; ++l) {
+      __builtin_prefetch(row + 64 * line, 0, 2);
+      if (++line == lines) line = 0, row += stride * static_cast<int64_t>(sizeof(T));
+    }
   }
 };
 
