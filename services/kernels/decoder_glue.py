@@ -1,7 +1,7 @@
 """The element-wise glue of a decoder layer: the residual add with the RMSNorm after it, the
-rotary rotation of q and k, and the MLP's silu(gate) * up. On a CPU with the native build (decoder_glue.cpp) each is one pass over
-its rows; elsewhere (a GPU, `kernels="torch"`, no compiler) torch's operators in Hugging Face's
-order. Both compute HF's values in the model's dtype; the native sum of squares may differ from
+rotary rotation of q and k, and the MLP's silu(gate) * up. On a CPU with the native build
+(decoder_glue.cpp) each is one pass over its rows; elsewhere (a GPU, `kernels="torch"`, no
+compiler) torch's operators in Hugging Face's order. Both compute HF's values in the model's dtype; the native sum of squares may differ from
 torch's in its last float32 bit.
 """
 
