@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_chain.h"
+#include "glue_lanes.h"
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                             const c10::optional<torch::Tensor>& bias, int64_t rows, bool non_temporal, bool parts);
@@ -33,9 +34,6 @@ torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& 
 torch::Tensor residual_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta,
                                 const torch::Tensor& weight, double eps);
 void rotate_heads(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[M, N] = x[M, K] @ w[N, K]^T (* scale[N]) (+ bias[N]), few rows of x",
@@ -90,7 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_rms_norm", &residual_rms_norm, "h += delta (in place; delta may be None), then RMSNorm(h) * weight",
         py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"));
   m.def("rotate_heads", &rotate_heads, "x [N, P, Dh] rotated in place by cos and sign-folded sin [N, Dh]");
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(PDSERVE_GLUE_LANES)
   m.def("silu_mul", &silu_mul, "gate_up [N, 2F] -> silu(gate) * up [N, F], each rounded to the dtype (decoder_glue.cpp)");
 #endif
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence over the paged pool, in place");

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "decode_chain.h"
+#include "glue_lanes.h"
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                             const c10::optional<torch::Tensor>& bias, int64_t rows, bool non_temporal, bool parts);
@@ -44,9 +45,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 torch::Tensor residual_rms_norm(torch::Tensor& h, const c10::optional<torch::Tensor>& delta,
                                 const torch::Tensor& weight, double eps);
 void rotate_heads(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-#endif
 
 ChainProduct::ChainProduct(std::string name, std::vector<c10::optional<torch::Tensor>> tensors_,
                            c10::optional<torch::Tensor> bias_, std::vector<int64_t> options_, py::object call_)
@@ -156,7 +154,7 @@ torch::Tensor DecodeChain::run(torch::Tensor h, torch::Tensor x, const torch::Te
     x = residual_rms_norm(h, p[1](o.view({N, H_ * Dh_})), post_norms_[l], eps_);
     // MLP: silu(gate) * up as the forward computes it (decoder_glue.py's silu_mul)
     torch::Tensor gate_up = p[2](x);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(PDSERVE_GLUE_LANES)
     torch::Tensor act = silu_mul(gate_up);
 #else
     const int64_t F = gate_up.size(1) / 2;

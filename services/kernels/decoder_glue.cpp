@@ -9,13 +9,15 @@
 //   rotate_heads:      x [N, P, Dh] in place: x * cos + roll(x, Dh / 2) * sin_signed, each product and
 //                      the sum rounded to x's dtype; cos, sin_signed [N, Dh] (sin_signed: -sin | sin).
 //                      x's rows may be strided (the q and k heads of a fused qkv product's output).
-//   silu_mul (AVX-512 BW/VL builds): gate_up [N, 2F] -> silu(gate) * up [N, F], gate = gate_up[:, :F], up = the rest;
-//                      silu rounded to the dtype, then the product rounded, as torch's F.silu(gate) * up. silu(g) =
-//                      g / (1 + e) for g >= 0, g e / (1 + e) below, e = e^-|g| from softmax_math.h's polynomial
-//                      (~1e-7 from torch's Sleef exp, far below a 16-bit step: of 1,024 x 8,192 N(0, 1) bf16
-//                      gates none came out otherwise). Why: after a decode product has streamed its weight through
-//                      the caches, torch's two operators on one 8,192-wide row took ~57 us (their code and data
-//                      fetched anew), ~1 ms of a 1b step; this pass 21 us (and 3.1 ms against 5.8 for 1,024 rows).
+//   silu_mul:          gate_up [N, 2F] -> silu(gate) * up [N, F], gate = gate_up[:, :F], up = the rest (AVX-512
+//                      BW/VL or AVX2 builds); silu rounded to the dtype, then the product rounded, as torch's
+//                      F.silu(gate) * up. silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below, e = e^-|g| from
+//                      softmax_math.h's polynomial (~1e-7 from torch's Sleef exp, far below a 16-bit step: of
+//                      1,024 x 8,192 N(0, 1) bf16 gates none came out otherwise). Why: after a decode product has
+//                      streamed its weight through the caches, torch's two operators on one 8,192-wide row took
+//                      ~57-130 us (their code and data fetched anew); this pass a half to a sixth of that.
+// The norm and silu_mul run on GlueLanes (glue_lanes.h: 16 or 8 float32 lanes) where the build has them: the
+// scalar norm, one row at a time, took twice torch's time for a 1,024-row prefill (AVX2 Zen 3).
 // All tensors share one dtype (float32, bfloat16 or float16), contiguous except x's rows.
 
 #include <torch/extension.h>
@@ -24,9 +26,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
-#include "softmax_math.h"
-#include "vec_load.h"
+#include "glue_lanes.h"
 
 // Every product rounded before the sum, as torch's separate operators round it: GCC would otherwise
 // fuse a * c + b * s into one FMA (one rounding), and float32 results would differ in their last bit.
@@ -42,22 +44,52 @@ inline float rounded(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
+// One row: h (+= delta, rounded to T) and out = weight * T(h * inv_rms), inv_rms = 1 / sqrt(mean(h^2) + eps); the
+// squares summed in double (a float32 running sum over 2,048 squares drifts ~6 ulp from torch's tree sum).
+template <typename T>
+void residual_rms_norm_row(T* row, const T* delta, const T* weight, T* out, int64_t D, float eps) {
+  int64_t d = 0;
+  double sum_sq = 0.;
+#if defined(PDSERVE_GLUE_LANES)
+  using Lanes = GlueLanes;
+  constexpr bool kLanes = !std::is_same_v<T, double>;  // float64 (dispatched too) keeps the scalar loop
+  typename Lanes::Sum sums = Lanes::no_sum();
+  if constexpr (kLanes) for (; d < D; d += Lanes::kLanes) {  // lanes past the row's end load as 0: they add no square
+    const int64_t count = std::min<int64_t>(Lanes::kLanes, D - d);
+    typename Lanes::V v = Lanes::load(row + d, count);
+    if (delta) {
+      v = Lanes::round_to(Lanes::add(v, Lanes::load(delta + d, count)), static_cast<T*>(nullptr));
+      Lanes::store(row + d, v, count);
+    }
+    sums = Lanes::square_sum(sums, v);
+  }
+  if constexpr (kLanes) sum_sq = Lanes::total(sums);
+#endif
+  for (; d < D; ++d) {  // without the lanes: the whole row
+    const float v = delta ? rounded<T>(static_cast<float>(row[d]) + static_cast<float>(delta[d])) : static_cast<float>(row[d]);
+    if (delta) row[d] = static_cast<T>(v);
+    sum_sq += static_cast<double>(v) * v;
+  }
+  const float inv_rms = 1.f / std::sqrt(static_cast<float>(sum_sq) / static_cast<float>(D) + eps);
+  d = 0;
+#if defined(PDSERVE_GLUE_LANES)
+  if constexpr (kLanes) for (; d < D; d += Lanes::kLanes) {
+    const int64_t count = std::min<int64_t>(Lanes::kLanes, D - d);
+    const typename Lanes::V normed = Lanes::round_to(Lanes::mul(Lanes::load(row + d, count), Lanes::set1(inv_rms)),
+                                                     static_cast<T*>(nullptr));
+    Lanes::store(out + d, Lanes::round_to(Lanes::mul(Lanes::load(weight + d, count), normed), static_cast<T*>(nullptr)),
+                 count);
+  }
+#endif
+  for (; d < D; ++d)
+    out[d] = static_cast<T>(static_cast<float>(weight[d]) * rounded<T>(static_cast<float>(row[d]) * inv_rms));
+}
+
 template <typename T>
 void residual_rms_norm_rows(T* h, const T* delta, const T* weight, T* out, int64_t N, int64_t D, float eps) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      T* row = h + n * D;
-      double sum_sq = 0.;  // in double: a float32 running sum over 2,048 squares drifts ~6 ulp from torch's tree sum
-      for (int64_t d = 0; d < D; ++d) {
-        const float v = delta ? rounded<T>(static_cast<float>(row[d]) + static_cast<float>(delta[n * D + d]))
-                              : static_cast<float>(row[d]);
-        if (delta) row[d] = static_cast<T>(v);
-        sum_sq += static_cast<double>(v) * v;
-      }
-      const float inv_rms = 1.f / std::sqrt(static_cast<float>(sum_sq) / static_cast<float>(D) + eps);
-      for (int64_t d = 0; d < D; ++d)
-        out[n * D + d] = static_cast<T>(static_cast<float>(weight[d]) * rounded<T>(static_cast<float>(row[d]) * inv_rms));
-    }
+    for (int64_t n = begin; n < end; ++n)
+      residual_rms_norm_row(h + n * D, delta ? delta + n * D : nullptr, weight, out + n * D, D, eps);
   });
 }
 
@@ -82,49 +114,19 @@ void rotate_rows(T* x, int64_t row_stride, const T* cos, const T* sin_signed, in
   });
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-// v rounded to T (round to nearest even, as torch converts), still as float32; and stored as T.
-inline __m512 round_to(__m512 v, float*) { return v; }
-inline __m512 round_to(__m512 v, at::BFloat16*) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-inline __m512 round_to(__m512 v, at::Half*) {
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline void store16(float* p, __m512 rounded, __mmask16 lanes) { _mm512_mask_storeu_ps(p, lanes, rounded); }
-inline void store16(at::BFloat16* p, __m512 rounded, __mmask16 lanes) {  // the top halves, exact
-  _mm256_mask_storeu_epi16(p, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
-}
-inline void store16(at::Half* p, __m512 rounded, __mmask16 lanes) {
-  _mm256_mask_storeu_epi16(p, lanes, _mm512_cvtps_ph(rounded, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-template <typename T>
-inline __m512 load_lanes(const T* p, __mmask16 lanes) {  // 16 elements (those past `lanes` read as 0)
-  if (lanes == 0xFFFF) return load16(p);
-  alignas(64) T tail[16] = {};
-  for (int i = 0; i < 16; ++i)
-    if (lanes >> i & 1) tail[i] = p[i];
-  return load16(tail);
-}
-
+#if defined(PDSERVE_GLUE_LANES)
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t N, int64_t F) {
+  constexpr int kLanes = GlueLanes::kLanes;
   at::parallel_for(0, N * F, 1024, [&](int64_t begin, int64_t end) {  // flat [N, F] positions
-    const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
     for (int64_t i = begin; i < end;) {
       const int64_t n = i / F, f = i % F, run = std::min(end - i, F - f);  // along one row
       const T* gate = gate_up + n * 2 * F + f;
       T* y = out + i;
-      for (int64_t k = 0; k < run; k += 16) {
-        const __mmask16 lanes = run - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (run - k)) - 1);
-        const __m512 g = load_lanes(gate + k, lanes), u = load_lanes(gate + F + k, lanes);
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
-        const __m512 numerator = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ), g, e);
-        const __m512 silu = round_to(_mm512_div_ps(numerator, _mm512_add_ps(one, e)), static_cast<T*>(nullptr));
-        store16(y + k, round_to(_mm512_mul_ps(silu, u), static_cast<T*>(nullptr)), lanes);
+      for (int64_t k = 0; k < run; k += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, run - k);
+        GlueLanes::store(y + k, GlueLanes::silu_times<T>(GlueLanes::load(gate + k, count),
+                                                         GlueLanes::load(gate + F + k, count)), count);
       }
       i += run;
     }
@@ -171,7 +173,7 @@ void rotate_heads(torch::Tensor& x, const torch::Tensor& cos, const torch::Tenso
   });
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(PDSERVE_GLUE_LANES)
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous() && gate_up.device().is_cpu(),
               "gate_up must be a contiguous CPU [N, 2F] tensor");

@@ -44,9 +44,9 @@ class DecoderGlue:
         return RotaryEmbedding.apply(x, cos, sin_signed)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [N, 2F] -> silu(gate) * up [N, F]: one native pass where the build has it (AVX-512), else
-        torch's two operators. Both round silu to the dtype and then the product; the native exp is within ~1e-7 of
-        torch's, so a 16-bit result could move by one unit, very rarely (decoder_glue.cpp)."""
+        """gate_up [N, 2F] -> silu(gate) * up [N, F]: one native pass where the build has it (AVX-512 BW/VL or
+        AVX2), else torch's two operators. Both round silu to the dtype and then the product; the native exp is within
+        ~1e-7 of torch's, so a 16-bit result could move by one unit, very rarely (decoder_glue.cpp)."""
         if self._native_for(gate_up) and hasattr(self.native, "silu_mul") and gate_up.is_contiguous():
             return self.native.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
