@@ -17,8 +17,8 @@ against the run's best ceiling, and paired — each round's sample against a rea
 right after it, median over rounds (this VM's bandwidth swings 1.5x within minutes; pairing cancels
 that) — and the batch-32 step against (weights + KV bytes) / read bandwidth.
 
-Needs the `bench` extra, llama.cpp built on this host with its native flags:
-    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python 'llama-cpp-python>=0.3' gguf
+Needs the `bench` extra, llama.cpp built on this host with its native flags (2 cores: ~10 min):
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python -e '.[bench]'
     python -m benchmarks.vs_llama_cpp --threads 2 --rounds 3
 """
 

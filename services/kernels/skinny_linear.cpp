@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 #include <type_traits>
 
@@ -264,10 +265,13 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   // y in x's dtype. The sums go to y32 (y itself for float32 x) and each thread rounds its own rows into y as it
   // finishes them, bias added first: one rounding, as torch's CPU linear rounds, without a conversion call after
   // (one cost ~7 us, ~64 of them a `1b` decode step).
+  // y32 and x32 below are plain buffers, not tensors: each torch operator (an allocation, a conversion through
+  // TensorIterator) has its code and data fetched from memory anew after a decode product has streamed its weight
+  // through the caches, ~65 times a `1b` step.
   torch::Tensor y = torch::empty({M, N}, x.options());
-  torch::Tensor y32 = x.scalar_type() == at::kFloat ? y : torch::empty({M, N}, x.options().dtype(at::kFloat));
+  std::unique_ptr<float[]> y32(x.scalar_type() == at::kFloat ? nullptr : new float[M * N]);  // not zeroed
   const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  float* yf = y32.data_ptr<float>();
+  float* yf = x.scalar_type() == at::kFloat ? y.data_ptr<float>() : y32.get();
   const float* bv = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   const std::function<void(int64_t, int64_t)> finish = [&](int64_t n0, int64_t n1) {
     switch (y.scalar_type()) {
@@ -304,8 +308,11 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
     return y;
   }
 #endif
-  torch::Tensor x32 = x.to(at::kFloat).contiguous();
-  const float* xf = x32.data_ptr<float>();
+  const torch::Tensor xc = x.contiguous();
+  std::vector<float> x32;  // 16-bit x as float32, once: it is small
+  if (x.scalar_type() == at::kBFloat16) x32.assign(xc.data_ptr<at::BFloat16>(), xc.data_ptr<at::BFloat16>() + M * K);
+  if (x.scalar_type() == at::kHalf) x32.assign(xc.data_ptr<at::Half>(), xc.data_ptr<at::Half>() + M * K);
+  const float* xf = x.scalar_type() == at::kFloat ? xc.data_ptr<float>() : x32.data();
   switch (w.scalar_type()) {
     case at::kFloat: skinny(xf, M, K, w.data_ptr<float>(), N, s, yf, rows, non_temporal, parts, finish); break;
     case at::kBFloat16: skinny(xf, M, K, w.data_ptr<at::BFloat16>(), N, s, yf, rows, non_temporal, parts, finish); break;
