@@ -1,6 +1,7 @@
 // A decode step's decoder layers in one native call: the same kernels, in the same order, that the model's Python
-// forward calls one by one (skinny_linear.cpp, decoder_glue.cpp, paged_decode_attention.cpp), and torch's silu and
-// mul between the MLP's products, so every value is the one that forward computes, bit for bit.
+// forward calls one by one (skinny_linear.cpp, decoder_glue.cpp — its silu_mul, or torch's silu and mul on builds
+// without glue_lanes.h's lanes — paged_decode_attention.cpp), so every value is the one that forward computes, bit
+// for bit.
 //
 // Legend: N rows (one new token per sequence), D hidden size, H query heads, K kv heads, Dh head dim, F
 // intermediate size, L layers, S pool slots.
