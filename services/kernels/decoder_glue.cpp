@@ -52,9 +52,9 @@ void residual_rms_norm_row(T* row, const T* delta, const T* weight, T* out, int6
   double sum_sq = 0.;
 #if defined(PDSERVE_GLUE_LANES)
   using Lanes = GlueLanes;
-  constexpr bool kLanes = !std::is_same_v<T, double>;  // float64 (dispatched too) keeps the scalar loop
+  constexpr bool kVector = !std::is_same_v<T, double>;  // float64 (dispatched too) keeps the scalar loop
   typename Lanes::Sum sums = Lanes::no_sum();
-  if constexpr (kLanes) for (; d < D; d += Lanes::kLanes) {  // lanes past the row's end load as 0: they add no square
+  if constexpr (kVector) for (; d < D; d += Lanes::kLanes) {  // lanes past the row's end load as 0: they add no square
     const int64_t count = std::min<int64_t>(Lanes::kLanes, D - d);
     typename Lanes::V v = Lanes::load(row + d, count);
     if (delta) {
@@ -63,7 +63,7 @@ void residual_rms_norm_row(T* row, const T* delta, const T* weight, T* out, int6
     }
     sums = Lanes::square_sum(sums, v);
   }
-  if constexpr (kLanes) sum_sq = Lanes::total(sums);
+  if constexpr (kVector) sum_sq = Lanes::total(sums);
 #endif
   for (; d < D; ++d) {  // without the lanes: the whole row
     const float v = delta ? rounded<T>(static_cast<float>(row[d]) + static_cast<float>(delta[d])) : static_cast<float>(row[d]);
@@ -73,7 +73,7 @@ void residual_rms_norm_row(T* row, const T* delta, const T* weight, T* out, int6
   const float inv_rms = 1.f / std::sqrt(static_cast<float>(sum_sq) / static_cast<float>(D) + eps);
   d = 0;
 #if defined(PDSERVE_GLUE_LANES)
-  if constexpr (kLanes) for (; d < D; d += Lanes::kLanes) {
+  if constexpr (kVector) for (; d < D; d += Lanes::kLanes) {
     const int64_t count = std::min<int64_t>(Lanes::kLanes, D - d);
     const typename Lanes::V normed = Lanes::round_to(Lanes::mul(Lanes::load(row + d, count), Lanes::set1(inv_rms)),
                                                      static_cast<T*>(nullptr));

@@ -263,11 +263,9 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   }
   const float* s = quantized ? scale32.data_ptr<float>() : nullptr;
   // y in x's dtype. The sums go to y32 (y itself for float32 x) and each thread rounds its own rows into y as it
-  // finishes them, bias added first: one rounding, as torch's CPU linear rounds, without a conversion call after
-  // (one cost ~7 us, ~64 of them a `1b` decode step).
-  // y32 and x32 below are plain buffers, not tensors: each torch operator (an allocation, a conversion through
-  // TensorIterator) has its code and data fetched from memory anew after a decode product has streamed its weight
-  // through the caches, ~65 times a `1b` step.
+  // finishes them, bias added first: one rounding, as torch's CPU linear rounds. y32 (and x32 below) are plain
+  // buffers, not tensors: a torch operator (a conversion call, ~7 us; an allocation) has its code and data fetched
+  // from memory anew after a decode product has streamed its weight through the caches, ~65 times a `1b` step.
   torch::Tensor y = torch::empty({M, N}, x.options());
   std::unique_ptr<float[]> y32(x.scalar_type() == at::kFloat ? nullptr : new float[M * N]);  // not zeroed
   const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
