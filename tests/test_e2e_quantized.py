@@ -17,7 +17,7 @@ from services.scheduler import SampledToken
 from services.tokenizer import Tokenizer
 
 # (prefill format, decode format) -> the products only the prefill workers run
-PRODUCTS = {("w8a8", "int8"): {"int8.dynamic"}, ("w4a8", "int4"): {"native.w4a8", "x8.dequant.linear"}}
+PRODUCTS = {("w8a8", "int8"): {"int8.dynamic", "native.w8a8"}, ("w4a8", "int4"): {"native.w4a8", "x8.dequant.linear"}}
 
 
 @pytest.fixture(scope="module", params=list(PRODUCTS), ids="-".join)

@@ -1,15 +1,18 @@
 """w8a8: int8 weights whose products also round each activation row to int8 (dynamic, symmetric) and
-multiply int8 by int8 — the kernel plan's `int8.dynamic`, at every row count on a CPU."""
+multiply int8 by int8 — the kernel plan's `int8.dynamic` (torch's operators) or `native.w8a8` (the same definition
+bit for bit, w8a8_linear.cpp), at every row count on a CPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_model_vs_transformers import engine_logits
 from test_quantized_engine import teacher_forced
 
 from services import Engine
+from services.kernels import native
 from services.kernels.kernel_plan import weight_key
-from services.kernels.linear_candidates import candidates
+from services.kernels.linear_candidates import _int8_dynamic_mm, candidates
 from services.quantized_weight import Int8Weight, quantize
 
 
@@ -38,10 +41,35 @@ def test_the_dynamic_product_is_its_definition():
     assert all(torch.equal(got, kept) for got, kept in results)  # no result lives in the reused buffers
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_native_kernel_is_the_definition_bit_for_bit(dtype):
+    built = native.load()
+    if not hasattr(built, "w8a8_linear"):
+        pytest.skip("the native w8a8 kernel is built on CPUs with AVX2 or AVX512-VNNI only")
+    g = torch.Generator().manual_seed(3)
+    # odd shapes: K past whole vector steps (64 / 32 columns), N past whole tiles and 32-row blocks, M past 4-row tiles
+    for rows, out_features, in_features in ((1, 37, 100), (5, 33, 129), (9, 70, 257), (33, 129, 515), (2, 1, 1)):
+        weight = quantize(torch.randn(out_features, in_features, generator=g), "w8a8")
+        x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
+        if rows > 2:
+            x[-1] = 0  # an all-zero row: scale 1e-30 / 127, every product 0
+        bias = torch.randn(out_features, generator=g).to(dtype)
+        for b in (None, bias):
+            got = built.w8a8_linear(x, weight.qweight, weight.scale, b)
+            assert got.dtype == dtype and torch.equal(got, _int8_dynamic_mm(x, weight, b)), (rows, in_features, b)
+    with pytest.raises(RuntimeError, match="bias"):
+        built.w8a8_linear(x, weight.qweight, weight.scale, bias[:-1])
+    with pytest.raises(RuntimeError, match="x float32, bf16 or fp16"):
+        built.w8a8_linear(x.double(), weight.qweight, weight.scale, None)
+
+
 def test_int8_weights_never_get_the_dynamic_kernel_and_w8a8_only_it():
     assert "int8.dynamic" not in candidates("int8", True, 96, 1 << 62, None)
     for max_rows in (1, 8, 64, 1 << 62):  # on a CPU, whatever the row count: one product, one model
         assert list(candidates("w8a8", True, 96, max_rows, None)) == ["int8.dynamic"]
+        built = native.load()
+        expected = ["int8.dynamic", "native.w8a8"] if hasattr(built, "w8a8_linear") else ["int8.dynamic"]
+        assert list(candidates("w8a8", True, 96, max_rows, built)) == expected  # the same definition, bit for bit
     assert "int8.dynamic" not in candidates("w8a8", False, 96, 1 << 62, None)  # CPU only (untested elsewhere)
 
 
@@ -74,7 +102,8 @@ def test_an_answer_does_not_depend_on_how_many_rows_share_its_step(tiny_path):
     ~4% away). The attention sums a prompt in another order than a decode step, which can round some activation
     to the other int8 neighbour (test_w4a8), so the logits are held to a tenth of that distance, not to 1e-4."""
     engine = Engine(tiny_path, dtype="float32", quantization="w8a8")
-    assert all(names == ("int8.dynamic",) * 4 for names in engine.runner.model.plan.linear_choices.values())
+    one = "native.w8a8" if hasattr(native.load(), "w8a8_linear") else "int8.dynamic"  # conftest pins native
+    assert all(names == (one,) * 4 for names in engine.runner.model.plan.linear_choices.values())
     prompt = [5, 6, 7, 8] * 20
     whole = engine_logits(engine, prompt, len(prompt))
     unrounded = float((engine_logits(Engine(tiny_path, dtype="float32", quantization="int8"), prompt, len(prompt))
@@ -88,7 +117,8 @@ def test_an_answer_does_not_depend_on_how_many_rows_share_its_step(tiny_path):
 def test_w8a8_says_when_the_cpu_has_no_int8_dot_products(tiny_path, monkeypatch, caplog):
     from services.kernels import native
 
-    for has_them, warned in ((False, True), (True, False)):
+    built = hasattr(native.load(), "w8a8_linear")  # the native kernel runs w8a8 at full speed without them too
+    for has_them, warned in ((False, not built), (True, False)):
         monkeypatch.setattr(native, "int8_dot_products", lambda has_them=has_them: has_them)
         caplog.clear()
         with caplog.at_level("WARNING", logger="services.kernels.kernel_plan"):

@@ -28,6 +28,8 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
                                 const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
+torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
@@ -81,6 +83,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 per 32-column group (w4a8_candidates.py), the products exact in int32 (vpdpbusd on AVX512-VNNI CPUs, "
         "vpmaddubsw on AVX2 ones), scaled per group",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("bias"));
+  m.def("w8a8_linear", &w8a8_linear,
+        "y[M, N] = x_q[M, K] @ (w * scale)^T (+ bias[N]), x rounded to int8 per row, the products exact in int32 "
+        "(vpdpbusd on AVX512-VNNI CPUs, vpmaddubsw on AVX2 ones): linear_candidates._int8_dynamic_mm bit for bit",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,

@@ -130,7 +130,7 @@ class KernelPlan:
                 if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
                     # the native kernel where it runs (few rows), else w4a8's or w8a8's own product (every row
                     # count), else the first (torch.linear / dequant.linear)
-                    name = next((n for n in ("native", "native.w4a8", "int8.dynamic") if n in found),
+                    name = next((n for n in ("native", "native.w4a8", "native.w8a8", "int8.dynamic") if n in found),
                                 next(iter(found)))
                     found = {name: found[name]}
                 entry = f"linear {'x'.join(map(str, key[:-1]))} {key[-1]} rows {BUCKETS[b]} among {','.join(sorted(found))}"
@@ -144,10 +144,12 @@ class KernelPlan:
                     measured += len(found) > 1 and cache.put(entry, name)
                 names.append(name)
             choices[key] = tuple(names)
-        if device.type == "cpu" and any(key[-1] == "w8a8" for key in choices) and not native_build.int8_dot_products():
-            log.warning("w8a8 on a CPU without int8 dot-product instructions (VNNI, AMX): every product runs torch's "
-                        "reference int8 loop (measured on an AVX2-only AMD EPYC: 11 s for one 1,024-row 16384 x 2048 "
-                        "product, 23x float32's); --quantization int8 keeps the memory saving at full speed")
+        if (device.type == "cpu" and any(key[-1] == "w8a8" for key in choices) and not native_build.int8_dot_products()
+                and not hasattr(native, "w8a8_linear")):
+            log.warning("w8a8 on a CPU without int8 dot-product instructions (VNNI, AMX) and without the native w8a8 "
+                        "kernel (AVX2 or AVX512-VNNI builds): every product runs torch's reference int8 loop (measured "
+                        "on an AVX2-only AMD EPYC: 11 s for one 1,024-row 16384 x 2048 product, 23x float32's); "
+                        "--quantization int8 keeps the memory saving at full speed")
         if device.type == "cpu" and any(key[-1] == "w4a8" for key in choices) and not hasattr(native, "w4a8_linear"):
             log.warning("w4a8 without its int8 dot-product kernel (built on CPUs with AVX512-VNNI or AVX2): every "
                         "product rounds x and dequantizes its weight in torch's operators; --quantization int4 keeps "

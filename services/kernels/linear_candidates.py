@@ -74,6 +74,12 @@ def _int8_dynamic_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | N
     return y if bias is None else y.add_(bias)
 
 
+def _native_w8a8(kernel: Callable) -> LinearFn:
+    def w8a8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        return kernel(x, weight.qweight, weight.scale, None if bias is None else bias.to(x.dtype))
+    return w8a8
+
+
 def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     y = torch._weight_int8pack_mm(x, weight.qweight, weight.scale.to(x.dtype))
     return y if bias is None else y + bias
@@ -226,8 +232,12 @@ def _format_candidates(weight_format: str, on_cpu: bool, in_features: int, max_r
     if weight_format == "w8a8" and on_cpu:
         # every product rounds its activations, whatever its row count: a request's answer must not depend on
         # how many rows share its step (a prefix-cache hit, a batch) — a weight-only kernel here would compute
-        # a different model for the few-row products
-        return {"int8.dynamic": _int8_dynamic_mm}
+        # a different model for the few-row products. The native kernel computes torch's definition bit for bit
+        # (w8a8_linear.cpp), so the plan may time both at every row count
+        found = {"int8.dynamic": _int8_dynamic_mm}
+        if native is not None and hasattr(native, "w8a8_linear"):
+            found["native.w8a8"] = _native_w8a8(native.w8a8_linear)
+        return found
     if weight_format in ("int8", "w8a8"):  # w8a8 off the CPU: weight-only, as int8 (no dynamic product there)
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear()}
         if upcast:
