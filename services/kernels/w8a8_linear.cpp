@@ -195,6 +195,7 @@ inline void tile(const int8_t* xq, int64_t Kp, const int8_t* const w[kNR], int64
       }
       wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       wabs[j] = _mm256_abs_epi8(wv[j]);
+      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(w[j] + kNR * K + k), _MM_HINT_T1);  // as VNNI's tile
     }
     for (int i = 0; i < MR; ++i) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * Kp + k));
