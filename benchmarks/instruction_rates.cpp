@@ -148,6 +148,27 @@ float dpbf16_ps(int64_t steps) {
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+// vpdpbusd zmm: 64 uint8 x int8 products, fours summed into int32 (native.w8a8 on AVX512-VNNI).
+float dpbusd_epi32(int64_t steps) {
+  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5);
+#define DECLARE(i) __m512i acc##i = _mm512_set1_epi32(i);
+  CHAINS(DECLARE)
+#undef DECLARE
+  for (int64_t s = 0; s < steps; ++s) {
+    asm volatile("" : "+v"(b));
+#define STEP(i) acc##i = _mm512_dpbusd_epi32(acc##i, a, b);
+    CHAINS(STEP)
+#undef STEP
+  }
+  __m512i sum = acc0;
+#define ADD(i) sum = _mm512_add_epi32(sum, acc##i);
+  CHAINS(ADD)
+#undef ADD
+  return lanes(_mm512_cvtepi32_ps(sum));
+}
+#endif
+
 std::vector<Idiom> idioms() {
   std::vector<Idiom> all = {{"float32 FMA (vfmadd231ps ymm)", 8, fma_ps},
                             {"int16 pairs (vpmaddwd + vpaddd ymm)", 16, madd_epi16},
@@ -157,6 +178,9 @@ std::vector<Idiom> idioms() {
 #endif
 #if defined(__AVX512BF16__)
   all.push_back({"bfloat16 pairs (vdpbf16ps zmm)", 32, dpbf16_ps});
+#endif
+#if defined(__AVX512VNNI__)
+  all.push_back({"int8 fours (vpdpbusd zmm)", 64, dpbusd_epi32});
 #endif
   return all;
 }
