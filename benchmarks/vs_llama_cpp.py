@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks import ceilings as ceilings_mod
+from benchmarks import instruction_rates
 from benchmarks.llama_gguf import write_gguf
 from benchmarks.model_folders import CACHE_DIR, describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
@@ -223,6 +224,8 @@ def main() -> None:
                                                               if v), flush=True)
     after = ceilings_mod.measure(num_bytes=2 * 10**9, repeats=3)
     read_bw = max(before["read_gbps"], after["read_gbps"]) * 1e9
+    rates = dict(instruction_rates.build().instruction_rates(args.threads, 2 * 10**7, 3))  # {} without AVX2
+    fastest = max(rates.values(), default=0.0)  # MACs/ns of the fastest multiply idiom: no kernel here beats it
     rows, results = [], {}
     for name, s in samples.items():
         med = {k: statistics.median(v) for k, v in s.items() if v}
@@ -237,22 +240,30 @@ def main() -> None:
             bound = runner.decode_bytes([1024 + 4] * 32) / read_bw * 1e3
             batch_bound = med["batch32_ms"] / bound
             entry.update(batch32_vs_bandwidth_bound=batch_bound, batch32_bound_ms=bound)
+            if fastest:
+                floor = runner.engine.runner.cost.prefill_flops([1] * 32, [1024 + 4] * 32, 32) / 2 / fastest / 1e6
+                batch_bound = f"{batch_bound:.2f}x bound, {med['batch32_ms'] / floor:.2f}x compute floor"
+                entry.update(batch32_compute_floor_ms=floor, batch32_vs_compute_floor=med["batch32_ms"] / floor)
+            else:
+                batch_bound = f"{batch_bound:.2f}x bound"
         results[name] = entry
         rows.append([name, f"{med['decode_ms']:.1f} [{spread['decode_ms'][0]:.1f}-{spread['decode_ms'][1]:.1f}]",
                      mbu if mbu == "" else f"{mbu:.2f}", paired if paired == "" else f"{paired:.2f}",
                      f"{med['prefill_ms'] / 1e3:.2f} s",
-                     f"{med['batch32_ms']:.0f} ({batch_bound:.2f}x bound)" if "batch32_ms" in med else "-"])
+                     f"{med['batch32_ms']:.0f} ({batch_bound})" if "batch32_ms" in med else "-"])
     print(format_table(["system", "batch-1 decode ms/token [min-max]", "MBU", "MBU paired", "prefill 1,024",
                         "batch-32 x 1,024-ctx step ms"], rows))
     print(f"read ceiling {read_bw / 1e9:.1f} GB/s (best of sum, GEMV, native GEMV; before and after); bf16 matmul "
-          f"{before['matmul_flops']['bfloat16'] / 1e9:.0f} GFLOP/s")
+          f"{before['matmul_flops']['bfloat16'] / 1e9:.0f} GFLOP/s; fastest multiply idiom {fastest:.0f} MACs/ns "
+          f"(benchmarks.instruction_rates: the compute floor)")
     pairs = same_bits_pairs(samples)
     for pair, p in pairs.items():
         print(f"{pair}, batch-1 decode, llama.cpp's ms / pdserve's per round: "
               f"{' / '.join(f'{r:.2f}' for r in p['ratios'])}; median {p['median']:.2f}, pdserve faster in "
               f"{p['pdserve_faster']} of {len(p['ratios'])}")
     path = write_results("vs_llama_cpp", {"environment": environment(), "model": describe(config),
-                                          "ceilings": {"before": before, "after": after}, "results": results,
+                                          "ceilings": {"before": before, "after": after},
+                                          "instruction_rates": rates, "results": results,
                                           "same_bits_pairs": pairs})
     print(f"wrote {path}")
 
