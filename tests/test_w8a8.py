@@ -4,6 +4,8 @@ bit for bit, w8a8_linear.cpp), at every row count on a CPU."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_model_vs_transformers import engine_logits
@@ -46,21 +48,25 @@ def test_the_native_kernel_is_the_definition_bit_for_bit(dtype):
     built = native.load()
     if not hasattr(built, "w8a8_linear"):
         pytest.skip("the native w8a8 kernel is built on CPUs with AVX2 or AVX512-VNNI only")
+    kernels = [built.w8a8_linear] + ([built.w8a8_panel_linear] if hasattr(built, "w8a8_panel_linear") else [])
     g = torch.Generator().manual_seed(3)
-    # odd shapes: K past whole vector steps (64 / 32 columns), N past whole tiles and 32-row blocks, M past 4-row tiles
-    for rows, out_features, in_features in ((1, 37, 100), (5, 33, 129), (9, 70, 257), (33, 129, 515), (2, 1, 1)):
+    # odd shapes: K past whole vector steps (64 / 32 columns) and 4-column groups, N past whole tiles, 32-row blocks
+    # and 12-row groups, M past 4-row tiles and 16-row panels (33: a tile of two panels, then one of one)
+    for rows, out_features, in_features in ((1, 37, 100), (5, 33, 129), (9, 70, 257), (33, 129, 515), (2, 1, 1),
+                                            (17, 24, 2050)):
         weight = quantize(torch.randn(out_features, in_features, generator=g), "w8a8")
         x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
         if rows > 2:
             x[-1] = 0  # an all-zero row: scale 1e-30 / 127, every product 0
         bias = torch.randn(out_features, generator=g).to(dtype)
-        for b in (None, bias):
-            got = built.w8a8_linear(x, weight.qweight, weight.scale, b)
+        for b, kernel in itertools.product((None, bias), kernels):
+            got = kernel(x, weight.qweight, weight.scale, b)
             assert got.dtype == dtype and torch.equal(got, _int8_dynamic_mm(x, weight, b)), (rows, in_features, b)
-    with pytest.raises(RuntimeError, match="bias"):
-        built.w8a8_linear(x, weight.qweight, weight.scale, bias[:-1])
-    with pytest.raises(RuntimeError, match="x float32, bf16 or fp16"):
-        built.w8a8_linear(x.double(), weight.qweight, weight.scale, None)
+    for kernel in kernels:
+        with pytest.raises(RuntimeError, match="bias"):
+            kernel(x, weight.qweight, weight.scale, bias[:-1])
+        with pytest.raises(RuntimeError, match="x float32, bf16 or fp16"):
+            kernel(x.double(), weight.qweight, weight.scale, None)
 
 
 def test_int8_weights_never_get_the_dynamic_kernel_and_w8a8_only_it():
@@ -69,6 +75,8 @@ def test_int8_weights_never_get_the_dynamic_kernel_and_w8a8_only_it():
         assert list(candidates("w8a8", True, 96, max_rows, None)) == ["int8.dynamic"]
         built = native.load()
         expected = ["int8.dynamic", "native.w8a8"] if hasattr(built, "w8a8_linear") else ["int8.dynamic"]
+        if max_rows > 8 and hasattr(built, "w8a8_panel_linear"):  # its other tiles, for many rows (AVX512-VNNI)
+            expected.append("native.w8a8.panels")
         assert list(candidates("w8a8", True, 96, max_rows, built)) == expected  # the same definition, bit for bit
     assert "int8.dynamic" not in candidates("w8a8", False, 96, 1 << 62, None)  # CPU only (untested elsewhere)
 

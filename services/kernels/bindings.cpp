@@ -30,6 +30,8 @@ torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias);
+torch::Tensor w8a8_panel_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                                const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
@@ -86,6 +88,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear,
         "y[M, N] = x_q[M, K] @ (w * scale)^T (+ bias[N]), x rounded to int8 per row, the products exact in int32 "
         "(vpdpbusd on AVX512-VNNI CPUs, vpmaddubsw on AVX2 ones): linear_candidates._int8_dynamic_mm bit for bit",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("w8a8_panel_linear", &w8a8_panel_linear,
+        "w8a8_linear's product bit for bit by other register tiles (w8a8_x_panels.h): x packed into 16-row panels, "
+        "W's rows broadcast four bytes at a time; for many rows (AVX512-VNNI CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");

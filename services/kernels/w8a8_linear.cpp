@@ -31,6 +31,7 @@
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 
 #include "row_rounding.h"  // RoundedX, round_rows
+#include "w8a8_x_panels.h"  // panel_product (AVX512-VNNI)
 
 namespace {
 
@@ -158,8 +159,12 @@ void block_tile(const RoundedX& x, int64_t m0, const int8_t* w, int64_t n0, int6
 }
 
 template <typename T>
-void product(const T* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const float* scale, const T* bias, T* y) {
+void product(const T* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const float* scale, const T* bias, T* y,
+             bool panels) {
   const RoundedX rounded = round_rows(x, M, K, kStep);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (panels) return panel_product(rounded, M, w, N, K, scale, bias, y);
+#endif
   parallel_chunks((N + kBlock - 1) / kBlock, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
@@ -175,9 +180,11 @@ void product(const T* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const
 
 }  // namespace
 
-// The legend's y = x_q @ (w * scale)^T (+ bias), in x's dtype.
-torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
-                          const c10::optional<torch::Tensor>& bias) {
+// The legend's y = x_q @ (w * scale)^T (+ bias), in x's dtype: by the 4 x NR register tiles, or (panels, AVX512-VNNI
+// builds) by w8a8_x_panels.h's. The same result bit for bit; which is faster depends on the shape (and the CPU), so
+// the plan times both.
+static torch::Tensor w8a8_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                                  const c10::optional<torch::Tensor>& bias, bool panels) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "w8a8_linear: x [M, K], w [N, K]");
   TORCH_CHECK(w.scalar_type() == torch::kInt8 && scale.scalar_type() == torch::kFloat && scale.numel() == w.size(0),
               "w8a8_linear: w int8 [N, K], scale float32 [N]");
@@ -190,7 +197,7 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     product(xc.data_ptr<T>(), M, K, wc.data_ptr<int8_t>(), N, sc.data_ptr<float>(), bc ? bc->data_ptr<T>() : nullptr,
-            y.data_ptr<T>());
+            y.data_ptr<T>(), panels);
   };
   switch (x.scalar_type()) {
     case at::kFloat: run(static_cast<float*>(nullptr)); break;
@@ -202,3 +209,15 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 }
 
 #endif  // AVX512-VNNI or AVX2
+
+torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& bias) {
+  return w8a8_product(x, w, scale, bias, false);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+torch::Tensor w8a8_panel_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                                const c10::optional<torch::Tensor>& bias) {
+  return w8a8_product(x, w, scale, bias, true);
+}
+#endif

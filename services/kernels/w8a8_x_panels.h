@@ -1,0 +1,210 @@
+// w8a8's product for many rows of x on AVX512-VNNI CPUs (w8a8_linear.cpp's legend and definition, bit for bit):
+// x's rounded rows packed once per call into panels of 16 rows, W's rows read in place four bytes at a time, each
+// broadcast by vpdpbusd itself against a panel vector, so an accumulator's 16 lanes are 16 rows of x against one W
+// row and no sum crosses lanes.
+//
+// Legend (besides w8a8_linear.cpp's): G = Kp / 4 groups of 4 columns, P = ceil(M / 16) panels, kNR = 12 W rows and
+// XP <= 2 panels a register tile (24 accumulators), a group: the kNR W rows a tile reads.
+//   panel: [P, G, 16] int32  lane r of vector g: row 16 p + r's columns 4 g .. 4 g + 3 of xq, each byte + 128 (as
+//          unsigned; rows past M: xq = 0)
+//   wsum:  [kNR] int32       sum_k w[n, k] of the group's rows: sum_k (xq + 128) w = dot + 128 wsum
+//   dots:  [kNR, 32] int32   a tile's sums, row j: W row j against the tile's x rows
+//
+// Why: the 4 x 4 tiles (w8a8_linear.cpp) load a W and an x vector per 2 vpdpbusd and sum each accumulator's 16 lanes
+// at the end of every tile (16 of them in ~30 instructions); at 32 rows they ran 261 multiply-accumulates per ns of the
+// 467 vpdpbusd can do (AMD EPYC Zen 4, 2 threads, 16384 x 2048). Here a step loads 2 panel vectors for 24 vpdpbusd,
+// whose broadcast W operands are loads of 4 bytes; what it adds is a pass over each W row for its sum (from the caches:
+// the previous group's tiles fetched it) and x's repacking (M x Kp bytes a call).
+#pragma once
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "row_rounding.h"
+#include "thread_chunks.h"
+
+namespace {
+
+constexpr int64_t kPanelNR = 12;
+
+struct XPanels {
+  std::vector<int32_t> data;  // [P, G, 16]
+  int64_t G, P;
+};
+
+inline XPanels pack_panels(const RoundedX& x, int64_t M) {
+  XPanels p{{}, x.Kp / 4, (M + 15) / 16};
+  constexpr int32_t kFlip = static_cast<int32_t>(0x80808080u);
+  p.data.assign(p.P * p.G * 16, kFlip);
+  at::parallel_for(0, p.P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t pi = p0; pi < p1; ++pi)
+      for (int64_t r = 0; r < 16 && 16 * pi + r < M; ++r) {
+        const int8_t* row = x.q.data() + (16 * pi + r) * x.Kp;
+        int32_t* out = p.data.data() + pi * p.G * 16 + r;
+        for (int64_t g = 0; g < p.G; ++g) {
+          int32_t v;
+          std::memcpy(&v, row + 4 * g, 4);
+          out[16 * g] = v ^ kFlip;
+        }
+      }
+  });
+  return p;
+}
+
+inline int32_t row_sum(const int8_t* w, int64_t K) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 live = K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
+    acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(live, w + k));
+  }
+  return _mm512_reduce_add_epi32(acc);
+}
+
+// acc += u (unsigned bytes) . the 4 signed bytes at v, broadcast to every lane (inline asm: w8a8_linear.cpp's dpbusd)
+inline void dpbusd_broadcast(__m512i& acc, __m512i u, const int8_t* v) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(v)));
+}
+
+// dots[j][16 t + r] = panel t's row r . W row j + 128 wsum[j], for XP panels from `panel` and kNR W rows w + j K;
+// `fetch`: 48 bytes a step from there fetched into L2 on the way (the thread's next group; fetch_step 0: none), and
+// each W row's line 4 lines ahead into L1 once a line. The W rows are addressed from four pointers (rows 0, 3, 6, 9)
+// and K: with twelve GCC ran out of registers and kept the accumulators in memory.
+template <int XP>
+inline void panel_tile(const int32_t* panel, int64_t G, const int8_t* w, int64_t K, const int8_t* fetch,
+                       int64_t fetch_step, int32_t dots[kPanelNR][32]) {
+  __m512i acc[XP][kPanelNR];
+#pragma GCC unroll 2
+  for (int t = 0; t < XP; ++t) {
+#pragma GCC unroll 12
+    for (int j = 0; j < kPanelNR; ++j) acc[t][j] = _mm512_setzero_si512();
+  }
+  const int64_t whole = K / 4;
+  const int8_t *a = w, *b = w + 3 * K, *c = w + 6 * K, *d = w + 9 * K;
+  const int32_t* xp = panel;
+  for (int64_t g = 0; g < whole; ++g, a += 4, b += 4, c += 4, d += 4, xp += 16, fetch += fetch_step) {
+    _mm_prefetch(reinterpret_cast<const char*>(fetch), _MM_HINT_T1);
+    const int8_t* const row[kPanelNR] = {a, a + K, a + 2 * K, b, b + K, b + 2 * K,
+                                         c, c + K, c + 2 * K, d, d + K, d + 2 * K};
+    if (g % 16 == 0) {
+#pragma GCC unroll 12
+      for (int j = 0; j < kPanelNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(row[j] + 256), _MM_HINT_T0);
+    }
+    __m512i xv[XP];
+#pragma GCC unroll 2
+    for (int t = 0; t < XP; ++t) xv[t] = _mm512_loadu_si512(xp + t * G * 16);
+#pragma GCC unroll 12
+    for (int j = 0; j < kPanelNR; ++j) {
+#pragma GCC unroll 2
+      for (int t = 0; t < XP; ++t) dpbusd_broadcast(acc[t][j], xv[t], row[j]);
+    }
+  }
+  if (whole * 4 < K) {  // the last group, W's bytes past K read as zeros (the panel's are xq = 0)
+    __m512i xv[XP];
+#pragma GCC unroll 2
+    for (int t = 0; t < XP; ++t) xv[t] = _mm512_loadu_si512(panel + (t * G + whole) * 16);
+#pragma GCC unroll 12
+    for (int j = 0; j < kPanelNR; ++j) {
+      int32_t v = 0;
+      std::memcpy(&v, w + j * K + 4 * whole, K - 4 * whole);
+      const __m512i wv = _mm512_set1_epi32(v);
+#pragma GCC unroll 2
+      for (int t = 0; t < XP; ++t) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], xv[t], wv);
+    }
+  }
+#pragma GCC unroll 2
+  for (int t = 0; t < XP; ++t) {
+#pragma GCC unroll 12
+    for (int j = 0; j < kPanelNR; ++j) _mm512_storeu_si512(dots[j] + 16 * t, acc[t][j]);
+  }
+}
+
+// 16 floats rounded to bf16 as c10::BFloat16 rounds one (halves to even, NaN -> 0x7FC0)
+inline __m256i bf16_lanes(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16),
+                                          _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// out [16] = the tile's y for one W row n and 16 rows of x (float(dot) xs scale, in the dtype, + bias rounded again)
+template <typename T>
+inline void finish_lanes(__m512i dot, __m512 xs, float scale, const T* bias, T out[16]) {
+  const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), xs), _mm512_set1_ps(scale));
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(out, bias ? _mm512_add_ps(v, _mm512_set1_ps(*bias)) : v);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    __m256i r = bf16_lanes(v);
+    if (bias) {
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+      r = bf16_lanes(_mm512_add_ps(back, _mm512_set1_ps(static_cast<float>(*bias))));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), r);
+  } else {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256i r = _mm512_cvtps_ph(v, kNearest);
+    if (bias) r = _mm512_cvtps_ph(_mm512_add_ps(_mm512_cvtph_ps(r), _mm512_set1_ps(static_cast<float>(*bias))), kNearest);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), r);
+  }
+}
+
+// y for W rows [n0, n1) (one group, n1 - n0 <= kPanelNR) and every row of x; fetch: whether the group after it (n1
+// on) is this thread's next. A last, partial group is read from a copy padded with zero rows.
+template <typename T>
+void panel_group(const XPanels& px, const RoundedX& x, int64_t M, const int8_t* w, int64_t n0, int64_t n1,
+                 bool fetch, int64_t N, int64_t K, const float* scale, const T* bias, T* y) {
+  std::vector<int8_t> padded;
+  const int8_t* rows = w + n0 * K;
+  if (n1 - n0 < kPanelNR) {
+    padded.assign(kPanelNR * K, 0);
+    std::copy(rows, rows + (n1 - n0) * K, padded.begin());
+    rows = padded.data();
+  }
+  int32_t wsum[kPanelNR];
+  for (int j = 0; j < kPanelNR; ++j) wsum[j] = row_sum(rows + j * K, K);
+  alignas(64) int32_t dots[kPanelNR][32];
+  alignas(64) T lanes[16];
+  for (int64_t p = 0; p < px.P; p += 2) {
+    const int32_t* panel = px.data.data() + p * px.G * 16;
+    const int64_t fetch_step = fetch && p == 0 ? 48 : 0;
+    const int xp = px.P - p >= 2 ? 2 : 1;
+    if (xp == 2) panel_tile<2>(panel, px.G, rows, K, w + n1 * K, fetch_step, dots);
+    else panel_tile<1>(panel, px.G, rows, K, w + n1 * K, fetch_step, dots);
+    for (int t = 0; t < xp; ++t) {
+      const int64_t m0 = 16 * (p + t), live_m = std::min<int64_t>(16, M - m0);
+      const __m512 xs = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << live_m) - 1), x.s.data() + m0);
+      for (int64_t n = n0; n < n1; ++n) {
+        const int64_t j = n - n0;
+        const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(dots[j] + 16 * t), _mm512_set1_epi32(128 * wsum[j]));
+        finish_lanes(dot, xs, scale[n], bias ? bias + n : nullptr, lanes);
+        for (int64_t r = 0; r < live_m; ++r) y[(m0 + r) * N + n] = lanes[r];
+      }
+    }
+  }
+}
+
+// y = the legend's product for every row of x, W in groups of kPanelNR rows that the threads take in chunks.
+template <typename T>
+void panel_product(const RoundedX& x, int64_t M, const int8_t* w, int64_t N, int64_t K, const float* scale,
+                   const T* bias, T* y) {
+  const XPanels px = pack_panels(x, M);
+  const int64_t groups = (N + kPanelNR - 1) / kPanelNR;
+  parallel_chunks(groups, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      panel_group(px, x, M, w, g * kPanelNR, std::min(N, (g + 1) * kPanelNR), g + 1 < g1 && (g + 2) * kPanelNR <= N,
+                  N, K, scale, bias, y);
+  });
+}
+
+}  // namespace
+
+#endif  // AVX512-VNNI
