@@ -51,9 +51,11 @@ def test_the_native_kernel_is_the_definition_bit_for_bit(dtype):
     kernels = [built.w8a8_linear] + ([built.w8a8_panel_linear] if hasattr(built, "w8a8_panel_linear") else [])
     g = torch.Generator().manual_seed(3)
     # odd shapes: K past whole vector steps (64 / 32 columns) and 4-column groups, N past whole tiles, 32-row blocks
-    # and 12-row groups, M past 4-row tiles and 16-row panels (33: a tile of two panels, then one of one)
+    # and 12-row groups, M past 4-row tiles and 16-row panels (33: a tile of two panels, then one of one); the
+    # panels' W rows read in place (K 128, whole groups) and from their copy (K 4,096, K past whole lines, N past
+    # whole groups)
     for rows, out_features, in_features in ((1, 37, 100), (5, 33, 129), (9, 70, 257), (33, 129, 515), (2, 1, 1),
-                                            (17, 24, 2050)):
+                                            (17, 24, 2050), (33, 24, 128), (17, 24, 4096)):
         weight = quantize(torch.randn(out_features, in_features, generator=g), "w8a8")
         x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
         if rows > 2:

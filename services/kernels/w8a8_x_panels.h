@@ -1,20 +1,23 @@
 // w8a8's product for many rows of x on AVX512-VNNI CPUs (w8a8_linear.cpp's legend and definition, bit for bit):
-// x's rounded rows packed once per call into panels of 16 rows, W's rows read in place four bytes at a time, each
-// broadcast by vpdpbusd itself against a panel vector, so an accumulator's 16 lanes are 16 rows of x against one W
-// row and no sum crosses lanes.
+// x's rounded rows packed once per call into panels of 16 rows, W's rows read four bytes at a time (in place, or from a
+// copy: group_rows), each broadcast by vpdpbusd itself against a panel vector, so an accumulator's 16 lanes are 16 rows
+// of x against one W row and no sum crosses lanes.
 //
 // Legend (besides w8a8_linear.cpp's): G = Kp / 4 groups of 4 columns, P = ceil(M / 16) panels, kNR = 12 W rows and
 // XP <= 2 panels a register tile (24 accumulators), a group: the kNR W rows a tile reads.
 //   panel: [P, G, 16] int32  lane r of vector g: row 16 p + r's columns 4 g .. 4 g + 3 of xq, each byte + 128 (as
 //          unsigned; rows past M: xq = 0)
 //   wsum:  [kNR] int32       sum_k w[n, k] of the group's rows: sum_k (xq + 128) w = dot + 128 wsum
+//   copy:  [kNR, S] int8     a thread's copy of a group's rows (S: Kp, or Kp + 64 where Kp / 64 is even)
 //   dots:  [kNR, 32] int32   a tile's sums, row j: W row j against the tile's x rows
 //
 // Why: the 4 x 4 tiles (w8a8_linear.cpp) load a W and an x vector per 2 vpdpbusd and sum each accumulator's 16 lanes
 // at the end of every tile (16 of them in ~30 instructions); at 32 rows they ran 261 multiply-accumulates per ns of the
 // 467 vpdpbusd can do (AMD EPYC Zen 4, 2 threads, 16384 x 2048). Here a step loads 2 panel vectors for 24 vpdpbusd,
 // whose broadcast W operands are loads of 4 bytes; what it adds is a pass over each W row for its sum (from the caches:
-// the previous group's tiles fetched it) and x's repacking (M x Kp bytes a call).
+// the previous group's tiles fetched it; where the rows are copied, the same pass) and x's repacking (M x Kp bytes a
+// call). Zen 4, 2 threads, bf16 x, 16 / 32 / 64 / 256 rows against the 4 x 4 tiles: 16384 x 2048 1.0 / 1.10 / 1.14 /
+// 1.11x, 3072 x 2048 1.29 / 1.24 / 1.28 / 1.25x, 2048 x 8192 (copied) 0.85 / 0.97 / 0.96 / 0.99x.
 #pragma once
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -58,14 +61,28 @@ inline XPanels pack_panels(const RoundedX& x, int64_t M) {
   return p;
 }
 
-inline int32_t row_sum(const int8_t* w, int64_t K) {
+// The rows a group's tiles read (W rows [n0, n1), n1 - n0 <= kPanelNR) and their sums, into wsum: W itself (*stride =
+// K) where K is a whole number of 64-byte lines but not of 4 KB and the group is whole; else a copy into `copy`
+// [kPanelNR, S] (*stride = S, zeros past K and past n1). Why a copy at multiples of 4 KB: rows that far apart fall in
+// one set of the L1 cache (64 sets of 64 bytes), 12 rows for its 8 ways; at K 8,192 the tiles ran at 0.8x the 4 x 4
+// tiles' speed in place, 1.0x from the copy, whose S / 64 is odd (a set each). Elsewhere the copy cost 4-6% (K 2,048).
+inline const int8_t* group_rows(const int8_t* w, int64_t n0, int64_t n1, int64_t K, int64_t S, int8_t* copy,
+                                int32_t* wsum, int64_t* stride) {
+  const bool in_place = K % 64 == 0 && K % 4096 != 0 && n1 - n0 == kPanelNR;
   const __m512i ones = _mm512_set1_epi8(1);
-  __m512i acc = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K; k += 64) {
-    const __mmask64 live = K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
-    acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(live, w + k));
+  *stride = in_place ? K : S;
+  for (int64_t j = 0; j < kPanelNR; ++j) {
+    const int8_t* row = w + (n0 + j) * K;
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t k = 0; k < *stride; k += 64) {
+      const __mmask64 live = n0 + j >= n1 || k >= K ? 0 : K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi8(live, row + k);
+      acc = _mm512_dpbusd_epi32(acc, ones, v);
+      if (!in_place) _mm512_storeu_si512(copy + j * S + k, v);
+    }
+    wsum[j] = _mm512_reduce_add_epi32(acc);
   }
-  return _mm512_reduce_add_epi32(acc);
+  return in_place ? w + n0 * K : copy;
 }
 
 // acc += u (unsigned bytes) . the 4 signed bytes at v, broadcast to every lane (inline asm: w8a8_linear.cpp's dpbusd)
@@ -73,12 +90,12 @@ inline void dpbusd_broadcast(__m512i& acc, __m512i u, const int8_t* v) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(v)));
 }
 
-// dots[j][16 t + r] = panel t's row r . W row j + 128 wsum[j], for XP panels from `panel` and kNR W rows w + j K;
+// dots[j][16 t + r] = panel t's row r . W row j + 128 wsum[j], for XP panels from `panel` and kNR W rows w + j S;
 // `fetch`: 48 bytes a step from there fetched into L2 on the way (the thread's next group; fetch_step 0: none), and
 // each W row's line 4 lines ahead into L1 once a line. The W rows are addressed from four pointers (rows 0, 3, 6, 9)
 // and K: with twelve GCC ran out of registers and kept the accumulators in memory.
 template <int XP>
-inline void panel_tile(const int32_t* panel, int64_t G, const int8_t* w, int64_t K, const int8_t* fetch,
+inline void panel_tile(const int32_t* panel, int64_t G, const int8_t* w, int64_t S, const int8_t* fetch,
                        int64_t fetch_step, int32_t dots[kPanelNR][32]) {
   __m512i acc[XP][kPanelNR];
 #pragma GCC unroll 2
@@ -86,13 +103,12 @@ inline void panel_tile(const int32_t* panel, int64_t G, const int8_t* w, int64_t
 #pragma GCC unroll 12
     for (int j = 0; j < kPanelNR; ++j) acc[t][j] = _mm512_setzero_si512();
   }
-  const int64_t whole = K / 4;
-  const int8_t *a = w, *b = w + 3 * K, *c = w + 6 * K, *d = w + 9 * K;
+  const int8_t *a = w, *b = w + 3 * S, *c = w + 6 * S, *d = w + 9 * S;
   const int32_t* xp = panel;
-  for (int64_t g = 0; g < whole; ++g, a += 4, b += 4, c += 4, d += 4, xp += 16, fetch += fetch_step) {
+  for (int64_t g = 0; g < G; ++g, a += 4, b += 4, c += 4, d += 4, xp += 16, fetch += fetch_step) {
     _mm_prefetch(reinterpret_cast<const char*>(fetch), _MM_HINT_T1);
-    const int8_t* const row[kPanelNR] = {a, a + K, a + 2 * K, b, b + K, b + 2 * K,
-                                         c, c + K, c + 2 * K, d, d + K, d + 2 * K};
+    const int8_t* const row[kPanelNR] = {a, a + S, a + 2 * S, b, b + S, b + 2 * S,
+                                         c, c + S, c + 2 * S, d, d + S, d + 2 * S};
     if (g % 16 == 0) {
 #pragma GCC unroll 12
       for (int j = 0; j < kPanelNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(row[j] + 256), _MM_HINT_T0);
@@ -104,19 +120,6 @@ inline void panel_tile(const int32_t* panel, int64_t G, const int8_t* w, int64_t
     for (int j = 0; j < kPanelNR; ++j) {
 #pragma GCC unroll 2
       for (int t = 0; t < XP; ++t) dpbusd_broadcast(acc[t][j], xv[t], row[j]);
-    }
-  }
-  if (whole * 4 < K) {  // the last group, W's bytes past K read as zeros (the panel's are xq = 0)
-    __m512i xv[XP];
-#pragma GCC unroll 2
-    for (int t = 0; t < XP; ++t) xv[t] = _mm512_loadu_si512(panel + (t * G + whole) * 16);
-#pragma GCC unroll 12
-    for (int j = 0; j < kPanelNR; ++j) {
-      int32_t v = 0;
-      std::memcpy(&v, w + j * K + 4 * whole, K - 4 * whole);
-      const __m512i wv = _mm512_set1_epi32(v);
-#pragma GCC unroll 2
-      for (int t = 0; t < XP; ++t) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], xv[t], wv);
     }
   }
 #pragma GCC unroll 2
@@ -158,27 +161,21 @@ inline void finish_lanes(__m512i dot, __m512 xs, float scale, const T* bias, T o
 }
 
 // y for W rows [n0, n1) (one group, n1 - n0 <= kPanelNR) and every row of x; fetch: whether the group after it (n1
-// on) is this thread's next. A last, partial group is read from a copy padded with zero rows.
+// on) is this thread's next; copy [kPanelNR, S]: the thread's buffer for group_rows.
 template <typename T>
 void panel_group(const XPanels& px, const RoundedX& x, int64_t M, const int8_t* w, int64_t n0, int64_t n1,
-                 bool fetch, int64_t N, int64_t K, const float* scale, const T* bias, T* y) {
-  std::vector<int8_t> padded;
-  const int8_t* rows = w + n0 * K;
-  if (n1 - n0 < kPanelNR) {
-    padded.assign(kPanelNR * K, 0);
-    std::copy(rows, rows + (n1 - n0) * K, padded.begin());
-    rows = padded.data();
-  }
+                 bool fetch, int64_t N, int64_t K, int64_t S, int8_t* copy, const float* scale, const T* bias, T* y) {
   int32_t wsum[kPanelNR];
-  for (int j = 0; j < kPanelNR; ++j) wsum[j] = row_sum(rows + j * K, K);
+  int64_t stride;
+  const int8_t* rows = group_rows(w, n0, n1, K, S, copy, wsum, &stride);
   alignas(64) int32_t dots[kPanelNR][32];
   alignas(64) T lanes[16];
   for (int64_t p = 0; p < px.P; p += 2) {
     const int32_t* panel = px.data.data() + p * px.G * 16;
     const int64_t fetch_step = fetch && p == 0 ? 48 : 0;
     const int xp = px.P - p >= 2 ? 2 : 1;
-    if (xp == 2) panel_tile<2>(panel, px.G, rows, K, w + n1 * K, fetch_step, dots);
-    else panel_tile<1>(panel, px.G, rows, K, w + n1 * K, fetch_step, dots);
+    if (xp == 2) panel_tile<2>(panel, px.G, rows, stride, w + n1 * K, fetch_step, dots);
+    else panel_tile<1>(panel, px.G, rows, stride, w + n1 * K, fetch_step, dots);
     for (int t = 0; t < xp; ++t) {
       const int64_t m0 = 16 * (p + t), live_m = std::min<int64_t>(16, M - m0);
       const __m512 xs = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << live_m) - 1), x.s.data() + m0);
@@ -197,11 +194,12 @@ template <typename T>
 void panel_product(const RoundedX& x, int64_t M, const int8_t* w, int64_t N, int64_t K, const float* scale,
                    const T* bias, T* y) {
   const XPanels px = pack_panels(x, M);
-  const int64_t groups = (N + kPanelNR - 1) / kPanelNR;
+  const int64_t groups = (N + kPanelNR - 1) / kPanelNR, S = x.Kp / 64 % 2 ? x.Kp : x.Kp + 64;
   parallel_chunks(groups, [&](int64_t g0, int64_t g1) {
+    std::vector<int8_t> copy(kPanelNR * S);
     for (int64_t g = g0; g < g1; ++g)
       panel_group(px, x, M, w, g * kPanelNR, std::min(N, (g + 1) * kPanelNR), g + 1 < g1 && (g + 2) * kPanelNR <= N,
-                  N, K, scale, bias, y);
+                  N, K, S, copy.data(), scale, bias, y);
   });
 }
 
