@@ -6,10 +6,10 @@
 #   STEPS='tests-gpu-path|decode-graphs|kv-rdt' bash benchmarks/gpu_check.sh run   # only those steps
 #
 # `run` steps, in order of value, each under its own time limit, logs in $OUT/logs.tgz (renewed after
-# each step, so a run cut short still returns what it did): the test suite on CUDA (engine against
-# transformers, workers sharing the GPU, the disaggregated cluster with its workers on the GPU), the
-# GPU path's tests and goals (CUDA-graph decode, in-place paged attention, KV over Ray Direct
-# Transport: docs/gpu.md), the two Ray-bound figures on a host with more than two cores (KV hand-off,
+# each step, so a run cut short still returns what it did): the GPU path's tests and goals (CUDA-graph
+# decode, in-place paged attention, KV over Ray Direct Transport: docs/gpu.md), the test suite on CUDA
+# (engine against transformers, workers sharing the GPU, the disaggregated cluster with its workers on
+# the GPU), the two Ray-bound figures on a host with more than two cores (KV hand-off,
 # router overhead), and the engine's per-phase roofline and offline throughput on the GPU.
 set -u
 cd "$(dirname "$0")/.."
@@ -70,6 +70,13 @@ run() {  # RUN_SECONDS (default 540): the whole run's budget; steps past it are 
     python3 -c "import sys, torch, transformers, ray, fastapi; print(sys.version.split()[0], 'torch', torch.__version__,
         'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'ray', ray.__version__)" || exit 1
     nproc
+    # Issue 15's GPU path: its CUDA tests (graphs against eager, the in-place decode kernels, RDT),
+    # then its goals: decode step time with graphs, and KV GPU to GPU over RDT (CUDA IPC).
+    local gpu_path=(tests/test_cuda_graph_runner.py tests/test_gpu_decode_attention.py tests/test_device_kv.py
+        tests/test_kv_transport_choice.py)
+    TAIL=8 step tests-gpu-path 150 python3 -m pytest -q -p no:cacheprovider "${gpu_path[@]}"
+    TAIL=8 step decode-graphs 120 python3 -m benchmarks.decode_graphs --batch 1 32 --steps 30
+    TAIL=6 step kv-rdt 90 python3 -m benchmarks.kv_rdt_transfer --transport cuda_ipc --tokens 1024 4096 --trials 10
     # Workers in the simulated multi-node clusters ask Ray for no GPU (their nodes advertise none):
     # let them see it anyway, so the disaggregated tests run prefill and decode on the GPU.
     # tests/test_gpu_workers.py clears this for its own cluster (it checks the real GPU shares).
@@ -78,13 +85,6 @@ run() {  # RUN_SECONDS (default 540): the whole run's budget; steps past it are 
         tests/test_e2e_disaggregated.py)
     TAIL=8 step tests-cuda 150 env RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 \
         python3 -m pytest -q -p no:cacheprovider "${first[@]}"
-    # Issue 15's GPU path: its CUDA tests (graphs against eager, the in-place decode kernels, RDT),
-    # then its goals: decode step time with graphs, and KV GPU to GPU over RDT (CUDA IPC).
-    local gpu_path=(tests/test_cuda_graph_runner.py tests/test_gpu_decode_attention.py tests/test_device_kv.py
-        tests/test_kv_transport_choice.py)
-    TAIL=8 step tests-gpu-path 150 python3 -m pytest -q -p no:cacheprovider "${gpu_path[@]}"
-    TAIL=8 step decode-graphs 120 python3 -m benchmarks.decode_graphs --batch 1 32 --steps 30
-    TAIL=6 step kv-rdt 90 python3 -m benchmarks.kv_rdt_transfer --transport cuda_ipc --tokens 1024 4096 --trials 10
     step kv-transfer 100 python3 -m benchmarks.kv_transfer --variants xxh3 --trials 12
     step router-overhead 120 env RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks.router_overhead --requests 50 --rounds 2
     TAIL=6 step step-profile-cuda 60 python3 -m benchmarks.step_profile --device cuda --preset 1b --batch 1 32 --top 8
