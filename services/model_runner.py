@@ -79,6 +79,7 @@ class ModelRunner:
         fails. `capture` defaults to CUDA graphs; tests pass one that runs the padded forward eagerly."""
         if self.parallel is not None:
             raise ValueError("decode graphs are not supported in a tensor-parallel group (its collectives run eagerly)")
+        self.decode_graphs = None  # until every bucket is captured: a failed capture leaves every step eager
         width = -(-min(self.max_model_len, max_seq_len) // self.block_size)
         graphs = DecodeGraphs(self.model, self.kv_slots, self.block_size, width, self.scratch_block,
                               max_batch_size, capture or capture_cuda_graph)

@@ -53,10 +53,10 @@ def test_fa2_pages_need_a_block_size_multiple_of_256_fa3_any():
     assert fa2 is not None
 
 
-def scattered_batch(block_size: int = 4):
+def scattered_batch(block_size: int = 4, head_dim: int = 8):
     gen = torch.Generator().manual_seed(1)
-    kv = torch.randn(2, 24 * block_size, 2, 8, generator=gen)  # [2, S, K, Dh], 24 blocks
-    q = torch.randn(3, 4, 8, generator=gen)  # [B, H, Dh]
+    kv = torch.randn(2, 24 * block_size, 2, head_dim, generator=gen)  # [2, S, K, Dh], 24 blocks
+    q = torch.randn(3, 4, head_dim, generator=gen)  # [B, H, Dh]
     tables = torch.tensor([[5, 7, 0, 0], [1, 0, 0, 0], [23, 2, 9, 11]])  # padded with block 0
     lens = torch.tensor([6, 3, 15])
     mask = (torch.arange(15)[None, :] < lens[:, None])[:, None, None, :]
@@ -94,7 +94,7 @@ def test_cuda_choice_is_a_candidate_that_matches_the_reference():
     found = gpu.candidates(16, device)
     name, kernel = gpu.choose((32, 8, 64), torch.bfloat16, device, 16, found)
     assert name in found
-    q, kv, meta = scattered_batch(16)
+    q, kv, meta = scattered_batch(16, head_dim=64)  # compiled FlexAttention refuses head dims under 16
     q, kv = q.to(device, torch.bfloat16), kv.to(device, torch.bfloat16)
     meta = AttentionMetadata(meta.slot_mapping.to(device), meta.query_lens, meta.context_lens,
                              meta.block_tables.to(device), 16, meta.decode_mask.to(device),

@@ -67,15 +67,16 @@ def model_pair(request, tmp_path_factory):
     tiny = write_model("tiny", tmp_path_factory.mktemp("tok"), seed=0)  # borrow a tokenizer
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((tiny / name).read_bytes())
-    def engine(kernels: str) -> Engine:
-        return Engine(model=folder, dtype="float32", block_size=4, max_num_batched_tokens=64, kernels=kernels)
+    def engine(kernels: str, device: str = "auto") -> Engine:
+        return Engine(model=folder, dtype="float32", block_size=4, max_num_batched_tokens=64, kernels=kernels,
+                      device=device)
 
     engines = {kernels: engine(kernels) for kernels in ("native", "torch")}
     with pytest.MonkeyPatch.context() as patch:  # oneDNN's packed weights wherever offered, in a cache of their own
         patch.setattr(kernel_plan, "cache_root", lambda: tmp_path_factory.mktemp("kernel-cache"))
         patch.setattr(kernel_plan, "_fastest", lambda fns, device, rows, before=None, after=None: next(
             (n for n in fns if n == "onednn.packed"), next(iter(fns))))
-        engines["packed"] = engine("torch")
+        engines["packed"] = engine("torch", device="cpu")  # oneDNN packs are CPU kernels (on a GPU host too)
     return hf, engines
 
 
