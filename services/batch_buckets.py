@@ -1,9 +1,14 @@
-"""The batch sizes decode steps are captured at, and a decode step's plan padded up to one (no torch).
+"""The batch sizes and block-table widths decode steps are captured at, and a decode step's plan
+padded up to a batch size (no torch).
 
 vLLM's sizes: 1, 2, 4, then every multiple of 8 up to a cap. A decode step of n sequences runs the
 graph of the smallest size >= n; the n..size-1 padding rows are dummy sequences whose one token
 writes its KV into a scratch block no sequence owns and attends only to itself, and whose logits
 are dropped. Steps with more sequences than the cap, prefill and mixed steps run eagerly.
+
+Widths matter only to a decode kernel that gathers each context out of the pool (the torch
+reference): a graph gathers its full width whatever the contexts, so a step runs the graph of the
+narrowest width that holds its longest block table.
 """
 
 from __future__ import annotations
@@ -13,6 +18,12 @@ import dataclasses
 import itertools
 
 from services.step_plan import StepPlan
+
+# The width ladder, in tokens: 512, 2,048, 8,192, ... A rung 4x the last keeps the captures few (each
+# rung is one more graph per batch size) while a step past the first rung gathers under 4x its longest
+# context (under 8x where capture_widths drops a rung for being too near the full width).
+FIRST_WIDTH_TOKENS = 512
+WIDTH_GROWTH = 4
 
 
 def capture_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -28,10 +39,28 @@ def capture_sizes(max_batch_size: int) -> tuple[int, ...]:
     raise AssertionError("unreachable: the sizes grow without bound")
 
 
-def bucket_for(num_seqs: int, sizes: tuple[int, ...]) -> int | None:
-    """The smallest captured size that holds `num_seqs` sequences; None above the largest."""
-    i = bisect.bisect_left(sizes, num_seqs)
-    return sizes[i] if i < len(sizes) else None
+def capture_widths(max_seq_len: int, block_size: int) -> tuple[int, ...]:
+    """The block-table widths, in blocks, to capture for contexts of up to `max_seq_len` tokens:
+    512, 2,048, 8,192 ... tokens rounded up to whole blocks, then the full width (`max_seq_len` in
+    blocks, rounded up). A rung is kept only if it at most halves the full width: a graph set that
+    gathers nearly as much as the full one costs its captures and saves little."""
+    if max_seq_len < 1 or block_size < 1:
+        raise ValueError(f"max_seq_len and block_size must be at least 1, got {max_seq_len} and {block_size}")
+    full = -(-max_seq_len // block_size)
+    widths: list[int] = []
+    tokens = FIRST_WIDTH_TOKENS
+    while (width := -(-tokens // block_size)) * 2 <= full:
+        if not widths or width > widths[-1]:  # blocks larger than a rung's tokens round two rungs alike
+            widths.append(width)
+        tokens *= WIDTH_GROWTH
+    return (*widths, full)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest captured bucket (batch size, or width in blocks) that holds `n` (sequences, or
+    blocks); None above the largest."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 def is_decode_only(plan: StepPlan) -> bool:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from services import gpu_decode_attention
-from services.attention import AttentionMetadata
+from services.attention import AttentionMetadata, torch_decode_attention
+from services.batch_buckets import capture_widths
 from services.cuda_graph_runner import Capture, DecodeGraphs, capture_cuda_graph
 from services.device_kv import DeviceKV
 from services.kv_payload import KVPayload
@@ -75,14 +76,18 @@ class ModelRunner:
 
     def enable_decode_graphs(self, max_batch_size: int, max_seq_len: int, capture: Capture | None = None) -> bool:
         """Run decode steps of up to `max_batch_size` sequences, each of at most `max_seq_len` tokens,
-        from graphs, all captured now; False (and every step eager, with a warning) if a capture
-        fails. `capture` defaults to CUDA graphs; tests pass one that runs the padded forward eagerly."""
+        from graphs, all captured now (per batch size, and per width where the decode kernel gathers);
+        False (and every step eager, with a warning) if a capture fails. `capture` defaults to CUDA
+        graphs; tests pass one that runs the padded forward eagerly."""
         if self.parallel is not None:
             raise ValueError("decode graphs are not supported in a tensor-parallel group (its collectives run eagerly)")
         self.decode_graphs = None  # until every bucket is captured: a failed capture leaves every step eager
-        width = -(-min(self.max_model_len, max_seq_len) // self.block_size)
-        graphs = DecodeGraphs(self.model, self.kv_slots, self.block_size, width, self.scratch_block,
-                              max_batch_size, capture or capture_cuda_graph)
+        widths = capture_widths(min(self.max_model_len, max_seq_len), self.block_size)
+        # The torch reference gathers a graph's whole width, so it gets a graph per width; a kernel that
+        # reads the pool in place reads only each context's blocks whatever the width: the full one serves
+        gathers = (self.model.decode_kernel or torch_decode_attention) is torch_decode_attention
+        graphs = DecodeGraphs(self.model, self.kv_slots, self.block_size, widths if gathers else widths[-1:],
+                              self.scratch_block, max_batch_size, capture or capture_cuda_graph)
         try:
             graphs.capture_all()
         except Exception as error:  # e.g. a kernel that cannot be captured: serve eagerly rather than not at all
