@@ -4,8 +4,12 @@ Method. A producer actor stages a `DeviceKV` of the preset's shape for `--tokens
 16 layers x 2 x T x 8 kv heads x 64, bf16: 32 MiB for 1,024 tokens) on its device, checksummed
 there; the driver (standing in for the router) asks it for the KV with `take`, called with
 `.options(tensor_transport=...)`, and hands the reference to a consumer actor:
-- one-sided transports (cuda_ipc, nixl: pdserve's design) as `[ref]`, once `take` has finished;
-  the consumer fetches it with `ray.get` on a thread (RDT does not support `await` on its refs);
+- one-sided transports (cuda_ipc, nixl: pdserve's design): the producer itself puts the KV with
+  `ray.put(kv, _tensor_transport=...)` and returns `[ref]`, which reaches the consumer nested in a
+  list; the consumer fetches it with `ray.get` (RDT does not support `await` on its refs). (A ref
+  returned by a `tensor_transport` task cannot be borrowed like this: its transport metadata reaches
+  its owner, the caller, asynchronously, and Ray 2.60 refuses to pass it on before — on an H100 with
+  cuda_ipc it failed every time, Ray issue #59644. `ray.put` computes the metadata at once);
 - two-sided ones (nccl, gloo) as a direct argument (only the group's creator may pass them).
 The consumer verifies the checksum on its device and copies the KV into a preallocated pool
 [L, 2, S, K, Dh] at scattered slots. Reported per trial: the driver's wall time from `take` to the
@@ -52,6 +56,10 @@ class Producer:
             torch.cuda.synchronize()  # the checksum is computed before anyone reads the tensor
         return kv
 
+    def share(self, request_id: str, transport: str) -> list[ray.ObjectRef]:
+        """The KV put by its owner under a one-sided transport; the ref can be passed on from here."""
+        return [ray.put(self.take(request_id), _tensor_transport=transport)]
+
 
 @ray.remote(enable_tensor_transport=True)
 class Consumer:
@@ -91,13 +99,11 @@ class Consumer:
 def trial(producer, consumer, transport: str | None, shape: tuple[int, ...], request_id: str) -> dict[str, float]:
     ray.get(producer.export.remote(request_id, shape))
     start = time.perf_counter()
-    take = producer.take if transport is None else producer.take.options(tensor_transport=transport)
-    ref = take.remote(request_id)
-    if transport in ONE_SIDED:
-        ray.wait([ref], fetch_local=False)  # a borrowed RDT ref needs its producer's task finished
-        parts = ray.get(consumer.admit.remote([ref]))
+    if transport in ONE_SIDED:  # the consumer receives the list: the ref inside it is fetched there
+        parts = ray.get(consumer.admit.remote(producer.share.remote(request_id, transport)))
     else:
-        parts = ray.get(consumer.admit.remote(ref))
+        take = producer.take if transport is None else producer.take.options(tensor_transport=transport)
+        parts = ray.get(consumer.admit.remote(take.remote(request_id)))
     return {"total_s": time.perf_counter() - start, **parts}
 
 

@@ -3,6 +3,7 @@ the gloo transport between two async actors, as CPU tensors (the GPU transports 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -122,6 +123,11 @@ class Producer:
     async def num_staged(self) -> int:
         return len(self.stage)
 
+    async def share(self, request_id: str) -> list[ray.ObjectRef]:
+        """The KV put by this actor, its owner, under a one-sided transport (NIXL; CUDA IPC on a
+        GPU): a ref that may be passed on nested in a list, which a task's RDT return may not be."""
+        return [ray.put(self.stage.take(request_id), _tensor_transport="nixl")]
+
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class Consumer:
@@ -134,6 +140,9 @@ class Consumer:
         kv.verify(4, 2, 16, "bfloat16")
         kv.copy_into(self.pool, torch.arange(kv.num_tokens))
         return kv.num_tokens, int(kv.checksum), torch.equal(self.pool[:, :, : kv.num_tokens], kv.kv)
+
+    async def admit_shared(self, refs: list[ray.ObjectRef]) -> tuple[int, int, bool]:
+        return await self.admit(ray.get(refs[0], timeout=60))  # RDT refs cannot be awaited
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +176,19 @@ def test_corrupt_rdt_kv_fails_its_check(actors):
         ray.get(consumer.admit.remote(producer.take.remote("r2", corrupt=True)), timeout=60)
     with pytest.raises(KVTransferError, match="no staged KV for request 'r2'"):  # taken once only
         ray.get(consumer.admit.remote(producer.take.remote("r2")), timeout=60)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                    reason="NIXL not installed (pip install --no-deps nixl nixl-cu12: runs on CPU through UCX)")
+def test_kv_put_by_its_owner_passes_through_a_third_process_over_nixl(actors):
+    """The router's hop: the prefill worker puts the KV, the router holds the ref and passes it on
+    inside a list, the decode worker fetches it. (On an H100 a ref returned by a cuda_ipc task failed
+    exactly this: "Tensor transport metadata is not available ... at the time of borrowing".)"""
+    producer, consumer = actors
+    sent = ray.get(producer.export.remote("r3", 5))
+    refs = ray.get(producer.share.remote("r3"), timeout=60)  # the router now borrows the ref
+    assert ray.get(consumer.admit_shared.remote(refs), timeout=60) == (37, sent, True)
+    ray.get(producer.export.remote("r4", 6))
+    nested = producer.share.remote("r4")  # or resolved by the decode worker itself
+    assert ray.get(consumer.admit_shared.remote(nested), timeout=60)[2]
+    assert ray.get(producer.num_staged.remote()) == 0
