@@ -71,12 +71,40 @@ def test_the_native_kernel_is_the_definition_bit_for_bit(dtype):
             kernel(x.double(), weight.qweight, weight.scale, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_int8_product_with_native_rounding_and_scaling_is_the_definition_bit_for_bit(dtype):
+    built = native.load()
+    if not hasattr(built, "w8a8_round_rows"):
+        pytest.skip("w8a8's native rounding is built on CPUs with AVX-512 or AVX2 only")
+    g = torch.Generator().manual_seed(4)
+    for rows, out_features, in_features in ((1, 37, 100), (5, 33, 129), (33, 129, 515), (2, 1, 1), (17, 24, 2050)):
+        weight = quantize(torch.randn(out_features, in_features, generator=g), "w8a8")
+        product = candidates("w8a8", True, in_features, 1 << 62, built)["int8.dynamic.native"]
+        x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
+        x[-1] = 0  # an all-zero row: scale 1e-30 / 127, every product 0
+        bias = torch.randn(out_features, generator=g).to(dtype)
+        for b in (None, bias):
+            got = product(x, weight, b)
+            assert got.dtype == dtype and torch.equal(got, _int8_dynamic_mm(x, weight, b)), (rows, in_features, b)
+        xq, xs = built.w8a8_round_rows(x)
+        expected_xs = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-30).div_(127.0)
+        assert torch.equal(xs, expected_xs) and torch.equal(xq, (x.float() / expected_xs).round_().to(torch.int8))
+    dots = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="bias"):
+        built.w8a8_scale_products(dots, torch.ones(2, 1), torch.ones(3), torch.ones(2).to(dtype), x)
+    with pytest.raises(RuntimeError, match="xs float32 \\[M, 1\\], scale float32 \\[N\\]"):
+        built.w8a8_scale_products(dots, torch.ones(3, 1), torch.ones(3), None, x)
+    with pytest.raises(RuntimeError, match="x float32, bf16 or fp16"):
+        built.w8a8_round_rows(x.double())
+
+
 def test_int8_weights_never_get_the_dynamic_kernel_and_w8a8_only_it():
     assert "int8.dynamic" not in candidates("int8", True, 96, 1 << 62, None)
     for max_rows in (1, 8, 64, 1 << 62):  # on a CPU, whatever the row count: one product, one model
         assert list(candidates("w8a8", True, 96, max_rows, None)) == ["int8.dynamic"]
         built = native.load()
-        expected = ["int8.dynamic", "native.w8a8"] if hasattr(built, "w8a8_linear") else ["int8.dynamic"]
+        expected = ["int8.dynamic"] + (["int8.dynamic.native"] if hasattr(built, "w8a8_round_rows") else [])
+        expected += ["native.w8a8"] if hasattr(built, "w8a8_linear") else []
         if max_rows > 8 and hasattr(built, "w8a8_panel_linear"):  # its other tiles, for many rows (AVX512-VNNI)
             expected.append("native.w8a8.panels")
         assert list(candidates("w8a8", True, 96, max_rows, built)) == expected  # the same definition, bit for bit

@@ -32,6 +32,9 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_panel_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                                 const c10::optional<torch::Tensor>& bias);
+std::tuple<torch::Tensor, torch::Tensor> w8a8_round_rows(const torch::Tensor& x);
+torch::Tensor w8a8_scale_products(const torch::Tensor& dots, const torch::Tensor& xs, const torch::Tensor& scale,
+                                  const c10::optional<torch::Tensor>& bias, const torch::Tensor& like);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               torch::Tensor out);
 
@@ -89,6 +92,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y[M, N] = x_q[M, K] @ (w * scale)^T (+ bias[N]), x rounded to int8 per row, the products exact in int32 "
         "(vpdpbusd on AVX512-VNNI CPUs, vpmaddubsw on AVX2 ones): linear_candidates._int8_dynamic_mm bit for bit",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
+#endif
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+  m.def("w8a8_round_rows", &w8a8_round_rows,
+        "x [M, K] -> (xq int8 [M, K], xs float32 [M, 1]): each row rounded to int8 with its own scale, as "
+        "linear_candidates._int8_dynamic_mm rounds it (w8a8_matmul_parts.cpp)", py::arg("x"));
+  m.def("w8a8_scale_products", &w8a8_scale_products,
+        "int32 products [M, N] -> float(dots) * xs[m] * scale[n] (+ bias) in like's dtype, in one pass (torch's "
+        "operators' roundings)", py::arg("dots"), py::arg("xs"), py::arg("scale"), py::arg("bias"), py::arg("like"));
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("w8a8_panel_linear", &w8a8_panel_linear,

@@ -74,6 +74,17 @@ def _int8_dynamic_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | N
     return y if bias is None else y.add_(bias)
 
 
+def _int8_dynamic_native(native: ModuleType) -> LinearFn:
+    # _int8_dynamic_mm's definition with its rounding and scaling each one native pass (w8a8_matmul_parts.cpp) around
+    # the same torch._int_mm: where that product is fast (AMX), the torch operators around it were most of the time
+    def w8a8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        xq, x_scale = native.w8a8_round_rows(x)
+        shape = (x.shape[0], weight.qweight.shape[0])
+        products = torch._int_mm(xq, weight.qweight.t(), out=DEQUANT_BUFFER.scratch(shape, torch.int32, x.device))
+        return native.w8a8_scale_products(products, x_scale, weight.scale, bias, x)
+    return w8a8
+
+
 def _native_w8a8(kernel: Callable) -> LinearFn:
     def w8a8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
         return kernel(x, weight.qweight, weight.scale, None if bias is None else bias.to(x.dtype))
@@ -235,6 +246,8 @@ def _format_candidates(weight_format: str, on_cpu: bool, in_features: int, max_r
         # a different model for the few-row products. The native kernel computes torch's definition bit for bit
         # (w8a8_linear.cpp), so the plan may time both at every row count
         found = {"int8.dynamic": _int8_dynamic_mm}
+        if native is not None and hasattr(native, "w8a8_round_rows"):
+            found["int8.dynamic.native"] = _int8_dynamic_native(native)
         if native is not None and hasattr(native, "w8a8_linear"):
             found["native.w8a8"] = _native_w8a8(native.w8a8_linear)
         if native is not None and max_rows > 8 and hasattr(native, "w8a8_panel_linear"):

@@ -1,7 +1,8 @@
 // Rows of x rounded to int8, each with its own scale (w8a8's activations): xs[m] = max(max_k |x[m, k]|, 1e-30) / 127
 // (float32), xq[m, k] = round(x[m, k] / xs[m]) (halves to even), as linear_candidates._int8_dynamic_mm rounds them.
 // Legend: x [M, K] float32 / bf16 / fp16; q [M, Kp] int8 (Kp = K rounded up to the caller's vector step, zeros past
-// K), s [M] xs, sum [M] sum_k xq[m, k]. Needs AVX-512 (F, BW) or AVX2 + FMA + F16C; included by w8a8_linear.cpp only.
+// K), s [M] xs, sum [M] sum_k xq[m, k]. Needs AVX-512 (F, BW) or AVX2 + FMA + F16C; included by w8a8_linear.cpp
+// and w8a8_matmul_parts.cpp.
 #pragma once
 
 #include <ATen/Parallel.h>
