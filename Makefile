@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# NIXL, Ray Direct Transport's one-sided transport (on a CPU it moves host memory over UCX): the tests of the
+	# KV over RDT use it. --no-deps: its meta package also pulls a CUDA 13 build the CPU never loads.
+	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	# The native CPU kernels, compiled for this host once (1-5 min on 2 cores); without a compiler, torch's are used.
 	$(PY) -m services.kernels.native
 	touch $(STAMP)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from decode_worker.output_channel import OutputChannel
 from services.errors import KVTransferError
+from services.kv_payload import KVPayload
 from services.kv_transport import TRANSPORTS
 from services.protocol import DecodeRequest, WorkerStats
 from services.sample_log import SampleLog
@@ -40,8 +41,8 @@ class DecodeWorker(WorkerActor):
         # gone (its process died: Ray does not stop an actor's stream when its caller dies), and
         # the requests it had here are aborted rather than left to run to max_tokens.
         self.channel_lease = 10.0
-        # Test-only fault injection: "corrupt" (flip one byte) or "lose" (fail the fetch) the next
-        # KV fetched here, so that tests drive the real prefill -> admit -> recompute path.
+        # Test-only fault injection: "corrupt" (flip one bit) or "lose" (fail the fetch) the next
+        # KV fetched here (a KVPayload or a DeviceKV), so that tests drive the real prefill -> admit -> recompute path.
         self.kv_fault: str | None = None
         # Test-only: requests this worker reports waiting on top of its own (the routers' cost model
         # reads them through the real stats path).
@@ -110,10 +111,7 @@ class DecodeWorker(WorkerActor):
                 raise LookupError("test fault: the KV object was lost")
             kv = await self.transport.fetch(kv_handle)
             if fault == "corrupt":
-                first = kv.slices[0]
-                data = first.data.copy()
-                data.reshape(-1).view("uint8")[0] ^= 1  # the sender's checksum, now wrong
-                kv = dataclasses.replace(kv, slices=(dataclasses.replace(first, data=data), *kv.slices[1:]))
+                kv = _corrupted(kv)
             self.kv_transfers.extend([(time.perf_counter() - start, kv.num_bytes)])
             return kv
         except Exception as error:  # e.g. the object died with the prefill node that held it
@@ -169,3 +167,18 @@ class DecodeWorker(WorkerActor):
     def shutdown(self) -> None:
         super().shutdown()
         self._kv_checker.shutdown(wait=False)
+
+
+def _corrupted(kv):
+    """A copy of the fetched `kv` (KVPayload or DeviceKV) with one bit flipped and the sender's
+    checksum kept: what a bad transfer would deliver (test-only fault)."""
+    if isinstance(kv, KVPayload):
+        first = kv.slices[0]
+        data = first.data.copy()
+        data.reshape(-1).view("uint8")[0] ^= 1
+        return dataclasses.replace(kv, slices=(dataclasses.replace(first, data=data), *kv.slices[1:]))
+    import torch  # a DeviceKV came over RDT: this worker's engine has loaded torch already
+
+    data = kv.kv.clone()
+    data.reshape(-1).view(torch.uint8)[0] ^= 1
+    return dataclasses.replace(kv, kv=data)

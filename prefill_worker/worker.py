@@ -5,6 +5,11 @@ engine's scheduler. Each call is a two-item Ray streaming generator: first the s
 (first token, logprob, timing), then the KV. Both are return values, so the caller owns both
 references and nothing is orphaned if this actor dies; and the metadata reaches the router
 without waiting for the KV to be written into the object store (26 ms for 96 MiB here).
+
+With the KV over Ray Direct Transport (`spec.kv_transport == "rdt"`) the engine exports a
+`DeviceKV` (no host copy) and the second item is `[ref]` of it, put here under the spec's tensor
+transport: this actor owns the tensors, which stay in its memory until the decode worker has read
+them and every ref is dropped (`services/kv_transport.py`, `DirectTransport`).
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
+import ray
+
 from services.kv_payload import KVPayload
 from services.protocol import PrefillRequest, PrefillResult, WorkerStats
-from services.worker_runtime import WorkerActor
+from services.worker_runtime import WorkerActor, WorkerSpec
 
 
 class PrefillWorker(WorkerActor):
@@ -23,12 +30,19 @@ class PrefillWorker(WorkerActor):
     # routers' view of it through the real stats path (a queue no test could build for real).
     simulated_queued_tokens = 0
 
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)
+        if spec.kv_transport == "rdt":  # a tensor-parallel group exports host slices: the launcher refuses it
+            assert spec.tensor_parallel_size == 1 and spec.tensor_transport is not None
+            self.engine.engine.runner.export_on_device = True
+
     def stats(self, reader: str = "") -> WorkerStats:
         stats = super().stats(reader)
         return dataclasses.replace(stats, num_queued_tokens=stats.num_queued_tokens + self.simulated_queued_tokens)
 
-    async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillResult | KVPayload]:
-        """Prefill the prompt; yields the PrefillResult, then (unless max_tokens is 1) the KVPayload."""
+    async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillResult | KVPayload | list]:
+        """Prefill the prompt; yields the PrefillResult, then (unless max_tokens is 1) the KV: a
+        KVPayload, or over RDT `[ref]` of the DeviceKV, put by this actor (its owner)."""
         # Only the first token is sampled here; min_tokens keeps masking EOS for it if asked.
         params = dataclasses.replace(request.params, max_tokens=1, min_tokens=min(request.params.min_tokens, 1))
         # A one-token request (a scored prompt among them: max_tokens 0 with echo) ends here, so its
@@ -58,5 +72,9 @@ class PrefillWorker(WorkerActor):
             worker_id=self.spec.worker_id,
         )
         yield result
-        if export_kv:
+        if not export_kv:
+            return
+        if self.spec.kv_transport == "rdt":
+            yield [ray.put(out.kv, _tensor_transport=self.spec.tensor_transport)]
+        else:
             yield out.kv

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.engine_config import EngineConfig
+from services.kv_transport_choice import KV_TRANSPORT_MODES
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,21 @@ class ClusterSpec:
     # group of that many rank actors on one node (router/rank_placement.py), still one worker to routers.
     prefill_tensor_parallel_size: int = 1
     decode_tensor_parallel_size: int = 1
+    # How the KV goes from prefill to decode workers: "auto" (RDT where the workers' GPUs allow it,
+    # else the object store), "object_store", or "rdt" (an error at launch where it cannot work);
+    # resolved when the workers start (router/kv_transport_plan.py).
+    kv_transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        if self.kv_transport not in KV_TRANSPORT_MODES:
+            raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORT_MODES)}, got {self.kv_transport!r}")
+        if self.kv_transport == "rdt" and self.mode == "colocated":
+            raise ValueError("kv_transport rdt needs mode disaggregated (colocated workers hand over no KV)")
+        if self.kv_transport == "rdt" and max(self.prefill_tensor_parallel_size, self.decode_tensor_parallel_size) > 1:
+            raise ValueError("kv_transport rdt cannot be used with tensor-parallel workers (their KV moves as "
+                             "per-rank host slices)")
         for name in ("num_prefill", "num_decode", "num_colocated", "prefill_tensor_parallel_size",
                      "decode_tensor_parallel_size"):
             if getattr(self, name) < 1:

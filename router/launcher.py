@@ -12,11 +12,12 @@ import time
 import ray
 
 from router.cluster_spec import ClusterSpec
+from router.kv_transport_plan import plan_kv_transport
 from router.rank_placement import check_rank_room, cpu_groups, place_group, rank_options
 from router.ray_instance import connect_ray
 from services.engine_config import EngineConfig, check_tensor_parallel
 from services.model_config import ModelConfig
-from services.worker_runtime import WorkerSpec
+from services.worker_runtime import WorkerSpec, actor_class
 
 log = logging.getLogger("pdserve.launcher")
 
@@ -77,6 +78,10 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
     gpus = spec.worker_gpus(ray.cluster_resources().get("GPU", 0), local)
     sizes = [spec.tensor_parallel_size(role) for _, role, _ in roles]
     groups = cpu_groups(sizes) if (local and spec.pin_cpus) else [None] * len(roles)
+    kv = plan_kv_transport(spec, gpus, local)
+    if spec.mode == "disaggregated":
+        log.warning("pdserve: KV goes from prefill to decode workers over %s (%s)",
+                    kv.name + (f" ({kv.tensor_transport})" if kv.tensor_transport else ""), kv.reason)
     actors = []
     for (name, role, resource), cpus in zip(roles, groups):
         cls = PrefillWorker if role == "prefill" else DecodeWorker
@@ -91,10 +96,11 @@ def start_workers(spec: ClusterSpec, local: bool, node_wait: float = 0.0) -> lis
         placement = {k: v for k, v in options.items() if k not in ("name", "namespace", "lifetime")}
         worker_spec = WorkerSpec(name, role, spec.model, spec.options_for(role), cpus,
                                  peak_flops=spec.peak_flops, peak_bytes_per_second=spec.peak_bytes_per_second,
-                                 placement=placement, rank_options=rank_options(gpus))
+                                 placement=placement, rank_options=rank_options(gpus), kv_transport=kv.name,
+                                 tensor_transport=kv.tensor_transport)
         if worker_spec.tensor_parallel_size > 1:
             options = place_group(options, worker_spec.tensor_parallel_size, spec.detached, spec.startup_timeout)
-        actors.append(ray.remote(cls).options(**options).remote(worker_spec))
+        actors.append(actor_class(cls, worker_spec).options(**options).remote(worker_spec))
     wait_ready(actors, [n for n, _, _ in roles], spec.startup_timeout)
     return actors
 

@@ -18,6 +18,7 @@ import ray
 
 from router.rank_placement import place_group, rank_unit
 from router.worker_pool import named_workers, worker_order
+from services.worker_runtime import actor_class
 
 ROLES = ("prefill", "decode")
 POLL_GRACE = 2.5  # seconds: a router polls each second; two polls after draining, none chooses it
@@ -73,7 +74,7 @@ def _add(namespace: str, workers: dict[str, object], plan: dict, startup_timeout
             options = dict(template.placement, name=name, namespace=namespace, lifetime="detached")
             if spec.tensor_parallel_size > 1:  # a group like the template's: a placement group of its own
                 options = place_group(options, spec.tensor_parallel_size, True, startup_timeout)
-            actors.append(ray.remote(cls).options(**options).remote(spec))
+            actors.append(actor_class(cls, spec).options(**options).remote(spec))  # like its template: RDT too
             names.append(name)
     try:
         wait_ready(actors, names, startup_timeout)

@@ -9,6 +9,7 @@ from router import cli_flags
 from router import cli_values as flags
 from router.cli_flags import DEFAULT_MODEL, MODEL_HELP
 from services.engine_config import QUANTIZATIONS
+from services.kv_transport_choice import KV_TRANSPORT_MODES
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +60,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                        help="ranks per prefill worker (default: --tensor-parallel-size)")
     serve.add_argument("--decode-tensor-parallel-size", type=flags.positive_int, default=None,
                        help="ranks per decode worker (default: --tensor-parallel-size; colocated workers are decode)")
+    serve.add_argument("--kv-transport", choices=KV_TRANSPORT_MODES, default="auto",
+                       help="how the KV goes from prefill to decode workers: auto (default: Ray Direct Transport "
+                            "between GPU workers — CUDA IPC on one host, NIXL across hosts where installed — else "
+                            "the object store), object_store, or rdt (refused at start where it cannot work; on "
+                            "CPU workers it needs NIXL)")
     cli_flags.router_flags(serve)
     serve.set_defaults(run=serve_cluster)
 
@@ -83,7 +89,7 @@ def serve_cluster(args: argparse.Namespace) -> None:
                        decode_labels=args.decode_labels, engine_options=options, role_engine_options=role_options,
                        pin_cpus=not args.no_pin_cpus,
                        detached=args.detached, max_restarts=args.worker_restarts, startup_timeout=args.startup_timeout,
-                       gpus_per_worker=args.gpus_per_worker,
+                       gpus_per_worker=args.gpus_per_worker, kv_transport=args.kv_transport,
                        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size or args.tensor_parallel_size,
                        decode_tensor_parallel_size=args.decode_tensor_parallel_size or args.tensor_parallel_size,
                        peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,

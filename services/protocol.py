@@ -22,7 +22,7 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """The small half of a prefill's two returns (the other is the KVPayload)."""
+    """The small half of a prefill's two returns (the other is the KV: a KVPayload, or `[ref]` of a DeviceKV)."""
 
     request_id: str
     first_token_id: int

@@ -20,6 +20,7 @@ class WorkerSpec:
     engine_options: dict[str, object] = field(default_factory=dict)
     cpu_ids: tuple[int, ...] | None = None  # pin the process here and use one torch thread each
     kv_transport: str = "object_store"  # a key of services.kv_transport.TRANSPORTS
+    tensor_transport: str | None = None  # with kv_transport "rdt": RDT's transport, "cuda_ipc" or "nixl"
     peak_flops: float | None = None  # this worker's ceilings, if known; else measured at start-up
     peak_bytes_per_second: float | None = None
     # The Ray actor options it was placed with (resources or labels, GPU share, restarts), so that
@@ -82,6 +83,14 @@ class WorkerActor:
         engine, self.rank_group = start_group_engine(self.spec.model, dict(self.spec.engine_options),
                                                      self.spec.cpu_ids, self.spec.rank_options)
         return AsyncEngine(engine)
+
+
+def actor_class(cls: type, spec: WorkerSpec):
+    """`cls` as a Ray actor class for `spec`: with the KV over RDT, tensor transport is enabled (both
+    ends need it; Ray reads it from the class, not from `.options()`)."""
+    import ray
+
+    return ray.remote(enable_tensor_transport=True)(cls) if spec.kv_transport == "rdt" else ray.remote(cls)
 
 
 def start_engine(spec: WorkerSpec) -> AsyncEngine:

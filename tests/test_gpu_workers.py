@@ -22,7 +22,9 @@ def local_gpu_cluster(tiny_path):
     with pytest.MonkeyPatch.context() as env:
         # The switch that lets an actor see GPUs it did not ask for: off, or this test proves nothing.
         env.delenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", raising=False)
-        spec = ClusterSpec(model=str(tiny_path), namespace="pd-gpu", engine_options={"max_num_seqs": 32})
+        # KV over RDT (CUDA IPC), asked for: `auto` keeps the object store until this has passed on a GPU
+        spec = ClusterSpec(model=str(tiny_path), namespace="pd-gpu", engine_options={"max_num_seqs": 32},
+                           kv_transport="rdt")
         init_local_ray(spec, num_cpus=2)
         try:
             actors = start_workers(spec, local=True)
@@ -39,6 +41,14 @@ def test_each_worker_takes_half_the_gpu_and_runs_on_it(local_gpu_cluster):
     assert ray.cluster_resources()["GPU"] == 1 and spec.worker_gpus(1, local=True) == 0.5
     assert [ray.get(a.worker_spec.remote()).placement["num_gpus"] for a in actors] == [0.5, 0.5]
     assert [ray.get(a.stats.remote()).device for a in actors] == ["cuda:0", "cuda:0"]
+
+
+def test_gpu_workers_on_one_host_hand_kv_over_cuda_ipc(local_gpu_cluster):
+    """`--kv-transport rdt` on one host's GPU: Ray Direct Transport over CUDA IPC (the greedy test
+    below then runs the serving path over it)."""
+    _, actors = local_gpu_cluster
+    specs = [ray.get(a.worker_spec.remote()) for a in actors]
+    assert [(s.kv_transport, s.tensor_transport) for s in specs] == [("rdt", "cuda_ipc")] * 2
 
 
 def test_greedy_through_gpu_workers_equals_the_engine(local_gpu_cluster, tiny_path):

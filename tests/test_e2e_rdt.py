@@ -1,0 +1,140 @@
+"""Disaggregated serving with the KV over Ray Direct Transport, end to end on CPU workers: NIXL
+(through UCX) moves each prompt's `DeviceKV` from the prefill worker, which put it, to the decode
+worker, the router passing the ref on inside the prefill stream's second item. On a simulated
+two-node Ray cluster, beside an object-store deployment of the same model on the same cluster:
+the same tokens, the KV checked on arrival, a corrupt or lost KV recomputed, nothing left behind."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import e2e_checks as checks
+import pytest
+import ray
+from cluster_harness import router_server, two_node_cluster, wait_for
+
+from router.launcher import ClusterSpec
+from services import Engine
+from services.protocol import DecodeRequest, PrefillRequest
+from services.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                                reason="NIXL not installed (pip install --no-deps nixl nixl-cu12: runs on CPU through UCX)")
+
+OPTIONS = {"num_threads": 1, "max_num_seqs": 8}
+READER = "test-rdt"  # this module's reader of the decode workers' KV transfer samples
+
+
+@pytest.fixture(scope="module")
+def deployments(tiny_path):
+    """(rdt, object store): each (url, [prefill, decode]), on one two-node cluster."""
+    with two_node_cluster(num_prefill_slots=2, num_decode_slots=2):
+        specs = [ClusterSpec(model=str(tiny_path), namespace=f"pd-{mode}", engine_options=OPTIONS, kv_transport=mode)
+                 for mode in ("rdt", "object_store")]
+        with router_server(specs[0]) as (rdt_url, rdt_actors, _), router_server(specs[1]) as (store_url, store_actors, _):
+            ray.get(rdt_actors[1].stats.remote(READER))  # registered: every transfer from now on is sampled
+            yield (rdt_url, rdt_actors), (store_url, store_actors)
+
+
+def token_ids(url: str, prompt: list[int], max_tokens: int, **extra) -> list[int]:
+    body = checks.completion(url, prompt, max_tokens, logprobs=0, return_tokens_as_token_ids=True, **extra)
+    return [int(name.removeprefix("token_id:")) for name in body["choices"][0]["logprobs"]["tokens"]]
+
+
+def rdt_objects(actor) -> int:
+    """RDT objects whose primary copy this worker holds (the KV it put and nobody has dropped yet)."""
+    return ray.get(actor.__ray_call__.remote(
+        lambda self: ray._private.worker.global_worker.rdt_manager.rdt_store.get_num_objects()))
+
+
+def answers(actor) -> bool:
+    try:
+        return ray.get(actor.ping.remote(), timeout=60) is not None
+    except ray.exceptions.RayActorError:  # still restarting
+        return False
+
+
+def test_both_worker_kinds_move_kv_over_nixl(deployments):
+    (_, rdt_actors), (_, store_actors) = deployments
+    specs = [ray.get(a.worker_spec.remote()) for a in rdt_actors + store_actors]
+    assert [(s.worker_id, s.kv_transport, s.tensor_transport) for s in specs] == [
+        ("prefill-0", "rdt", "nixl"), ("decode-0", "rdt", "nixl"),
+        ("prefill-0", "object_store", None), ("decode-0", "object_store", None)]
+
+
+def test_greedy_token_ids_equal_the_object_store_deployments(deployments, tiny_path):
+    """Prompts of under one block, one block, many blocks and 1,000 tokens, each sent twice (the
+    repeat a prefix-cache hit on the prefill worker): the token ids of the object-store deployment
+    and of the single engine; the decode worker sampled one transfer of the whole prompt's float32
+    KV per request, none failed."""
+    (rdt_url, (_, decode)), (store_url, _) = deployments
+    prompts = [*checks.prompts(3, 500), [1] + [5 + i % 400 for i in range(999)]]
+    want = [o.token_ids for o in Engine(model=str(tiny_path)).generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    failures = ray.get(decode.stats.remote(READER)).kv_transfer_failures
+    for prompt, expected in zip(prompts, want):
+        for _ in range(2):
+            assert token_ids(store_url, prompt, 16) == expected
+            assert token_ids(rdt_url, prompt, 16) == expected
+    stats = ray.get(decode.stats.remote(READER))
+    assert [nbytes for _, nbytes in stats.kv_transfers] == [4 * 2 * len(p) * 2 * 16 * 4 for p in prompts for _ in "ab"]
+    assert stats.kv_transfer_failures == failures
+
+
+def test_no_kv_outlives_its_request(deployments):
+    """Once answered, the decode worker holds no block and the prefill worker no RDT object (the
+    router's ref to the list and the decode worker's borrow are gone: the owner frees it)."""
+    (rdt_url, (prefill, decode)), _ = deployments
+    total = ray.get(decode.stats.remote()).num_kv_blocks
+    token_ids(rdt_url, [1] + list(range(40, 140)), 8)
+    wait_for(lambda: rdt_objects(prefill) == 0, "the prefill worker still holds an RDT object", 30)
+    assert checks.wait_until_idle([decode])[0].num_free_kv_blocks == total
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "lose"])
+def test_a_corrupt_or_lost_device_kv_is_recomputed(deployments, tiny_path, fault):
+    """The decode worker flips one bit of the next DeviceKV it fetches (caught by the checksum taken
+    on the prefill worker) or fails the fetch: the request fails there with kv_lost, the router has
+    the prompt recomputed on the decode side, and the answer is the single engine's."""
+    from services.metrics import METRICS
+
+    (rdt_url, (prefill, decode)), _ = deployments
+    prompt = [1, 9, 8, 7, 6, 5]
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
+    want = Engine(model=str(tiny_path)).generate([prompt], params)[0].token_ids
+    recomputes = METRICS.kv_recomputes._value.get()
+    before = ray.get(decode.stats.remote())
+    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", fault)))
+    assert token_ids(rdt_url, prompt, 12, temperature=0.7, seed=5) == want
+    assert METRICS.kv_recomputes._value.get() == recomputes + 1
+    after = checks.wait_until_idle([decode])[0]
+    assert after.kv_transfer_failures == before.kv_transfer_failures + 1
+    # Recomputed there: the prompt and the prefill's first token, then 10 steps of one token (a corrupt
+    # KV was also copied in and its first token fed, in the step that waited for the failed check).
+    wasted = 1 if fault == "corrupt" else 0
+    assert after.num_tokens_processed - before.num_tokens_processed == wasted + len(prompt) + 1 + 10
+    assert ray.get(decode.__ray_call__.remote(lambda self: self.kv_fault)) is None  # it hit this request
+    wait_for(lambda: rdt_objects(prefill) == 0, "the prefill worker still holds an RDT object", 30)
+
+
+def test_kv_whose_prefill_worker_died_is_lost_not_hung(deployments):
+    """The prefill worker that put the KV dies before the decode worker reads it: the fetch fails,
+    and the decode worker reports the KV lost (the router would recompute the prompt). Last: the
+    deployment's prefill worker restarts (Ray's max_restarts)."""
+    (_, (prefill, decode)), _ = deployments
+    prompt = [1, 5, 6, 7, 8]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    meta_ref, kv_ref = list(prefill.prefill.remote(PrefillRequest("orphaned", prompt, params)))
+    meta = ray.get(meta_ref)
+    failures = ray.get(decode.stats.remote()).kv_transfer_failures
+    assert rdt_objects(prefill) == 1  # the KV, put there: what the ref this test holds points to
+    ray.kill(prefill, no_restart=False)
+    wait_for(lambda: answers(prefill), "the prefill worker did not restart", 180, 1.0)
+    channel = decode.channel.remote("test-orphaned")
+    request = DecodeRequest("orphaned", prompt, params, meta.first_token_id, meta.first_logprobs)
+    ray.get(decode.admit.remote(request, [kv_ref], "test-orphaned"))
+    ((request_id, delta),) = ray.get(next(channel), timeout=120)
+    assert (request_id, delta.token_ids, delta.kv_lost) == ("orphaned", [], True)
+    assert delta.error.startswith("KVTransferError: the KV could not be fetched: ")
+    ray.cancel(channel)
+    assert ray.get(decode.stats.remote()).kv_transfer_failures == failures + 1
