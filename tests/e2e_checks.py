@@ -217,3 +217,23 @@ def check_echo_logprobs_score_the_prompt(url: str, model: str) -> None:
     _, chunks = streamed_text(url, prompt, 4, echo=True, logprobs=2, return_tokens_as_token_ids=True)
     streamed = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
     assert streamed == lp["tokens"]
+
+
+def check_kv_fault_recomputed(decode, fault: str, prompt_len: int, max_tokens: int, ask, want) -> None:
+    """The decode worker's next KV fetch `fault`s ("corrupt": one bit flipped, the checksum fails;
+    "lose": the fetch fails, test-only hooks), `ask()` sends the request: its answer is `want`,
+    the router had the prompt recomputed once, and the decode worker computed exactly that."""
+    from services.metrics import METRICS
+
+    recomputes = METRICS.kv_recomputes._value.get()
+    before = ray.get(decode.stats.remote())
+    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", fault)))
+    assert ask() == want
+    assert METRICS.kv_recomputes._value.get() == recomputes + 1
+    after = wait_until_idle([decode])[0]
+    assert after.kv_transfer_failures == before.kv_transfer_failures + 1
+    # Recomputed there: the prompt and the prefill's first token, then a token a step (a corrupt
+    # KV was also copied in and its first token fed, in the step that waited for the failed check).
+    wasted = 1 if fault == "corrupt" else 0
+    assert after.num_tokens_processed - before.num_tokens_processed == wasted + prompt_len + 1 + max_tokens - 2
+    assert ray.get(decode.__ray_call__.remote(lambda self: self.kv_fault)) is None  # it hit this request

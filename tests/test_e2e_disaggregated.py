@@ -206,7 +206,6 @@ def test_corrupt_kv_fails_its_request_only_and_is_counted(tiny_server):
     assert checks.completion(url, prompt, 5)["choices"][0]["finish_reason"] == "length"  # others go on
 
 
-
 @pytest.mark.parametrize("fault", ["corrupt", "lose"])
 def test_the_router_recomputes_a_prompt_whose_kv_is_corrupt_or_lost(tiny_server, fault):
     """Over HTTP, through the real prefill -> admit path: the decode worker corrupts (one byte
@@ -214,26 +213,16 @@ def test_the_router_recomputes_a_prompt_whose_kv_is_corrupt_or_lost(tiny_server,
     fault; the request fails there with kv_lost, the router has the prompt recomputed on the
     decode side, and the answer is the single engine's."""
     from services import Engine
-    from services.metrics import METRICS
 
     url, actors, model = tiny_server
-    decode = actors[1]
     prompt = [1, 9, 8, 7, 6, 5]
     params = SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
     want = Engine(model=model).generate([prompt], params)[0].text
-    recomputes = METRICS.kv_recomputes._value.get()
-    before = ray.get(decode.stats.remote())
-    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", fault)))
-    body = checks.completion(url, prompt, 12, temperature=0.7, seed=5)
-    assert (body["choices"][0]["text"], body["usage"]["completion_tokens"]) == (want, 12)
-    assert METRICS.kv_recomputes._value.get() == recomputes + 1
-    after = checks.wait_until_idle([decode])[0]
-    assert after.kv_transfer_failures == before.kv_transfer_failures + 1
-    # Recomputed there: the prompt and the prefill's first token, then 10 steps of one token (a corrupt
-    # KV was also copied in and its first token fed, in the step that waited for the failed check).
-    wasted = 1 if fault == "corrupt" else 0
-    assert after.num_tokens_processed - before.num_tokens_processed == wasted + len(prompt) + 1 + 10
-    assert ray.get(decode.__ray_call__.remote(lambda self: self.kv_fault)) is None  # it hit this request
+
+    def ask() -> tuple[str, int]:
+        body = checks.completion(url, prompt, 12, temperature=0.7, seed=5)
+        return body["choices"][0]["text"], body["usage"]["completion_tokens"]
+    checks.check_kv_fault_recomputed(actors[1], fault, len(prompt), 12, ask, (want, 12))
 
 
 def _scrape(url: str) -> dict[str, float]:

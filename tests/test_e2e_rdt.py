@@ -96,24 +96,12 @@ def test_a_corrupt_or_lost_device_kv_is_recomputed(deployments, tiny_path, fault
     """The decode worker flips one bit of the next DeviceKV it fetches (caught by the checksum taken
     on the prefill worker) or fails the fetch: the request fails there with kv_lost, the router has
     the prompt recomputed on the decode side, and the answer is the single engine's."""
-    from services.metrics import METRICS
-
     (rdt_url, (prefill, decode)), _ = deployments
     prompt = [1, 9, 8, 7, 6, 5]
     params = SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
     want = Engine(model=str(tiny_path)).generate([prompt], params)[0].token_ids
-    recomputes = METRICS.kv_recomputes._value.get()
-    before = ray.get(decode.stats.remote())
-    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", fault)))
-    assert token_ids(rdt_url, prompt, 12, temperature=0.7, seed=5) == want
-    assert METRICS.kv_recomputes._value.get() == recomputes + 1
-    after = checks.wait_until_idle([decode])[0]
-    assert after.kv_transfer_failures == before.kv_transfer_failures + 1
-    # Recomputed there: the prompt and the prefill's first token, then 10 steps of one token (a corrupt
-    # KV was also copied in and its first token fed, in the step that waited for the failed check).
-    wasted = 1 if fault == "corrupt" else 0
-    assert after.num_tokens_processed - before.num_tokens_processed == wasted + len(prompt) + 1 + 10
-    assert ray.get(decode.__ray_call__.remote(lambda self: self.kv_fault)) is None  # it hit this request
+    checks.check_kv_fault_recomputed(decode, fault, len(prompt), 12,
+                                     lambda: token_ids(rdt_url, prompt, 12, temperature=0.7, seed=5), want)
     wait_for(lambda: rdt_objects(prefill) == 0, "the prefill worker still holds an RDT object", 30)
 
 
