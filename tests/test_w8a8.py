@@ -14,7 +14,8 @@ from test_quantized_engine import teacher_forced
 from services import Engine
 from services.kernels import native
 from services.kernels.kernel_plan import weight_key
-from services.kernels.linear_candidates import _int8_dynamic_mm, candidates
+from services.kernels.linear_candidates import candidates
+from services.kernels.w8a8_candidates import _int8_dynamic_mm
 from services.quantized_weight import Int8Weight, quantize
 
 

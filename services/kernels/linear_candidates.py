@@ -17,6 +17,7 @@ from services.int4_weight import GROUP, Int4Weight
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.kernels.w4a8_candidates import w4a8_candidates
+from services.kernels.w8a8_candidates import w8a8_candidates
 from services.quantized_weight import Int8Weight
 
 LinearFn = Callable[[torch.Tensor, "torch.Tensor | Int8Weight | Int4Weight", "torch.Tensor | None"], torch.Tensor]
@@ -60,35 +61,6 @@ def _int8_dequant_linear(compute: torch.dtype | None = None, product: LinearFn =
         y = y if bias is None else y.add_(bias)
         return y.to(x.dtype)
     return dequant_linear
-
-
-def _int8_dynamic_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    # w8a8: each row of x rounded to int8 with its own scale (largest magnitude -> 127), then one
-    # int8 x int8 -> int32 product (exact; oneDNN's VNNI/AMX kernels), then both scales applied
-    x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-30).div_(127.0)  # [M, 1]
-    xq = (x.float() / x_scale).round_().to(torch.int8)  # [M, K] (x itself is left as it was)
-    shape = (x.shape[0], weight.qweight.shape[0])
-    products = torch._int_mm(xq, weight.qweight.t(), out=DEQUANT_BUFFER.scratch(shape, torch.int32, x.device))
-    y = torch.mul(products, x_scale, out=DEQUANT_BUFFER.scratch(shape, torch.float32, x.device)).mul_(weight.scale)
-    y = y.to(x.dtype, copy=True)  # [M, N], out of the buffer (a float32 y would otherwise be it)
-    return y if bias is None else y.add_(bias)
-
-
-def _int8_dynamic_native(native: ModuleType) -> LinearFn:
-    # _int8_dynamic_mm's definition with its rounding and scaling each one native pass (w8a8_matmul_parts.cpp) around
-    # the same torch._int_mm: where that product is fast (AMX), the torch operators around it were most of the time
-    def w8a8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        xq, x_scale = native.w8a8_round_rows(x)
-        shape = (x.shape[0], weight.qweight.shape[0])
-        products = torch._int_mm(xq, weight.qweight.t(), out=DEQUANT_BUFFER.scratch(shape, torch.int32, x.device))
-        return native.w8a8_scale_products(products, x_scale, weight.scale, bias, x)
-    return w8a8
-
-
-def _native_w8a8(kernel: Callable) -> LinearFn:
-    def w8a8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, weight.qweight, weight.scale, None if bias is None else bias.to(x.dtype))
-    return w8a8
 
 
 def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -240,21 +212,8 @@ def _format_candidates(weight_format: str, on_cpu: bool, in_features: int, max_r
             # W dequantized whole (to x's dtype), then the float32 register tiles below (AVX2 hosts)
             found["dequant.tiled"] = _int4_dequant_linear(native, None, _native_tiled(native.tiled_linear))
         return found
-    if weight_format == "w8a8" and on_cpu:
-        # every product rounds its activations, whatever its row count: a request's answer must not depend on
-        # how many rows share its step (a prefix-cache hit, a batch) — a weight-only kernel here would compute
-        # a different model for the few-row products. The native kernel computes torch's definition bit for bit
-        # (w8a8_linear.cpp), so the plan may time both at every row count
-        found = {"int8.dynamic": _int8_dynamic_mm}
-        if native is not None and hasattr(native, "w8a8_round_rows"):
-            found["int8.dynamic.native"] = _int8_dynamic_native(native)
-        if native is not None and hasattr(native, "w8a8_linear"):
-            found["native.w8a8"] = _native_w8a8(native.w8a8_linear)
-        if native is not None and max_rows > 8 and hasattr(native, "w8a8_panel_linear"):
-            # the same product by other register tiles (w8a8_x_panels.h): 1.1-1.4x at 16-256 rows with K 2,048,
-            # 0.75-0.85x with K 8,192 (AMD EPYC Zen 4), so both are timed
-            found["native.w8a8.panels"] = _native_w8a8(native.w8a8_panel_linear)
-        return found
+    if weight_format == "w8a8" and on_cpu:  # x rounded to int8 per row by every product (w8a8_candidates.py)
+        return w8a8_candidates(native, max_rows)
     if weight_format in ("int8", "w8a8"):  # w8a8 off the CPU: weight-only, as int8 (no dynamic product there)
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear()}
         if upcast:
