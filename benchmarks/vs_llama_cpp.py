@@ -19,9 +19,9 @@ that) — and the batch-32 step against (weights + KV bytes) / read bandwidth.
 
 Needs the `bench` extra, llama.cpp built on this host with its native flags (2 cores: ~10 min):
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python -e '.[bench]'
+    python -m benchmarks.vs_llama_cpp --threads 2 --rounds 3
 On an Intel CPU with AMX that build dies of SIGILL (llama.cpp asks for the AMX tile state on its main thread only):
 add "-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" and the same CMAKE_CXX_FLAGS to CMAKE_ARGS.
-    python -m benchmarks.vs_llama_cpp --threads 2 --rounds 3
 """
 
 from __future__ import annotations
