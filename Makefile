@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	# NIXL, Ray Direct Transport's one-sided transport (on a CPU it moves host memory over UCX): the tests of the
-	# KV over RDT use it. --no-deps: its meta package also pulls a CUDA 13 build the CPU never loads.
-	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	# KV over RDT use it. --no-deps: its meta package also pulls a CUDA 13 build the CPU never loads. Linux x86-64
+	# and arm64 wheels only: elsewhere (a Mac) those tests skip, saying why, and the object store carries the KV.
+	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 || echo "NIXL unavailable here: the RDT tests skip"
 	# The native CPU kernels, compiled for this host once (1-5 min on 2 cores); without a compiler, torch's are used.
 	$(PY) -m services.kernels.native
 	touch $(STAMP)
