@@ -45,8 +45,8 @@ class ClusterSpec:
     # group of that many rank actors on one node (router/rank_placement.py), still one worker to routers.
     prefill_tensor_parallel_size: int = 1
     decode_tensor_parallel_size: int = 1
-    # How the KV goes from prefill to decode workers: "auto" (RDT where the workers' GPUs allow it,
-    # else the object store), "object_store", or "rdt" (an error at launch where it cannot work);
+    # How the KV goes from prefill to decode workers: "auto" (the object store, until RDT has served
+    # on a GPU: services/kv_transport_choice.py), "object_store", or "rdt" (an error at launch where it cannot work);
     # resolved when the workers start (router/kv_transport_plan.py).
     kv_transport: str = "auto"
 

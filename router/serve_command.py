@@ -61,10 +61,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--decode-tensor-parallel-size", type=flags.positive_int, default=None,
                        help="ranks per decode worker (default: --tensor-parallel-size; colocated workers are decode)")
     serve.add_argument("--kv-transport", choices=KV_TRANSPORT_MODES, default="auto",
-                       help="how the KV goes from prefill to decode workers: auto (default: Ray Direct Transport "
-                            "between GPU workers — CUDA IPC on one host, NIXL across hosts where installed — else "
-                            "the object store), object_store, or rdt (refused at start where it cannot work; on "
-                            "CPU workers it needs NIXL)")
+                       help="how the KV goes from prefill to decode workers: auto (default: the object store, "
+                            "until Ray Direct Transport has served on a GPU), object_store, or rdt (Ray Direct "
+                            "Transport: CUDA IPC between one host's GPUs, NIXL across hosts or between CPU workers; "
+                            "refused at start where it cannot work)")
     cli_flags.router_flags(serve)
     serve.set_defaults(run=serve_cluster)
 

@@ -32,13 +32,11 @@ void scale_rows(const int32_t* dots, const float* xs, const float* scale, const 
       const int32_t* row = dots + m * N;
       T* out = y + m * N;
       const float s = xs[m];
-      if constexpr (std::is_same_v<T, float>) {
-        for (int64_t n = 0; n < N; ++n) out[n] = static_cast<float>(row[n]) * s * scale[n] + (bias ? bias[n] : 0.f);
-      } else {  // rounded to the dtype, then the bias added and rounded again (torch adds it to the rounded y)
-        for (int64_t n = 0; n < N; ++n) out[n] = static_cast<T>(static_cast<float>(row[n]) * s * scale[n]);
-        if (bias)
-          for (int64_t n = 0; n < N; ++n) out[n] = static_cast<T>(static_cast<float>(out[n]) + static_cast<float>(bias[n]));
-      }
+      // rounded to the dtype, then the bias added and rounded again (torch adds it to the rounded y; in float32
+      // the first rounding is none), each a loop of its own: no test per element, and no + 0 turning -0 into +0
+      for (int64_t n = 0; n < N; ++n) out[n] = static_cast<T>(static_cast<float>(row[n]) * s * scale[n]);
+      if (bias)
+        for (int64_t n = 0; n < N; ++n) out[n] = static_cast<T>(static_cast<float>(out[n]) + static_cast<float>(bias[n]));
     }
   });
 }
