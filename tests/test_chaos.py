@@ -81,7 +81,7 @@ def test_a_short_chaos_round_loses_repeats_and_leaks_nothing(tiny_path, tmp_path
     assert result["streams_unchecked"] == 0
     # On a leak the command's stderr lists the objects left in the store, with where each was made: all of that
     # listing (a 1-byte leak has recurred, rarely, and its maker was in the listing's cut-off head)
-    listing = done.stderr[done.stderr.find("objects left in the store"):]
+    listing = done.stderr[max(0, done.stderr.find("objects left in the store")):]
     assert (result["leaked_kv_blocks"], result["leaked_object_bytes"]) == (0, 0), listing[:40000]
     assert result["failed_without_honest_status"] == 0 and set(result["failed"]) <= {"429", "503", "504"}
     for key in ("sent", "completed", "failed", "duplicated_tokens", "missing_tokens", "leaked_kv_blocks",
