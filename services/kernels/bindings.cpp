@@ -26,6 +26,9 @@ torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& w, const
 torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torch::Tensor>& w,
                                 const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& packed,
                                 const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+                         const c10::optional<torch::Tensor>& bias);
+bool amx_ready();
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
@@ -81,6 +84,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(packed, scale, low): W converted once a call into bf16 pair panels, vdpbf16ps register tiles "
         "(AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("packed"), py::arg("low"), py::arg("bias"));
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+  m.def("amx_linear", &amx_linear,
+        "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]) for batches, W bf16 (w) or int8 (w, scale [N]), K a multiple of "
+        "32: W's rows loaded as tiles where they lie, tdpbf16ps (CPUs with AMX)",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
+  m.def("amx_ready", &amx_ready, "whether this process holds the CPU's tile state (asks Linux for it once)");
 #endif
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
   m.def("w4a8_linear", &w4a8_linear,

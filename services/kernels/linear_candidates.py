@@ -182,6 +182,11 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if (on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "pair_tiled_linear")
             and compute in (None, torch.bfloat16) and weight_format in ("int8", "int4", "bfloat16")):
         found["native.pairs"] = _native_pairs(native.pair_tiled_linear)
+    # AMX tiles (amx_linear.cpp), bf16 x, bf16 and int8 W, for batches: at 1,024 rows its re-reads of x lost 2x to
+    # oneDNN (16384 x 2048: 178 vs 91 ms) where the 65+ bucket's 128-row probe saw them close (15 vs 10 ms)
+    if (on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "amx_linear") and native.amx_ready()
+            and compute in (None, torch.bfloat16) and weight_format in ("int8", "bfloat16") and in_features % 32 == 0):
+        found["native.amx"] = _native_tiled(native.amx_linear)
     return found
 
 
