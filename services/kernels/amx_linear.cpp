@@ -31,42 +31,20 @@
 #include <vector>
 
 #include "thread_chunks.h"
+#include "tile_state.h"
 #include "transpose16.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
 namespace {
 
 // kAhead: steps a W row is prefetched ahead (2, 8, 16: 2-10% slower; prefetching into L1, L2 or L3 alike)
 constexpr int64_t kNB = 32, kStep = 32, kAhead = 4;
 
-// Linux grants a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); the first
-// tile instruction of a process that did not ask is killed by SIGILL. Asked once, for the whole process.
-bool tile_state_granted() {
-  static const bool granted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile used here: 16 rows of 64 bytes. Loaded per chunk of blocks (a thread's tiles are its own state, and
-// oneDNN's products on the same threads load configurations of their own).
+// Every tile used here: 16 rows of 64 bytes.
 inline void load_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
+  tile_state::Config config;
+  for (int t = 0; t < 8; ++t) config.tile(t, 16, 64);
+  config.load();
 }
 
 // x [M, K] -> xb (the legend's layout): 16 rows x 16 pairs at a time, transposed in registers
@@ -190,12 +168,12 @@ void product(const std::vector<int32_t>& xb, int64_t M, int64_t N, int64_t K, co
 
 }  // namespace
 
-bool amx_ready() { return tile_state_granted(); }
+bool amx_ready() { return tile_state::granted(); }
 
 // See the file's legend.
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                          const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(tile_state_granted(), "this process was not granted the CPU's tile state (AMX)");
+  TORCH_CHECK(tile_state::granted(), "this process was not granted the CPU's tile state (AMX)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a CPU bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kStep == 0 && K > 0, "K must be a positive multiple of 32");

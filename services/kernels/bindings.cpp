@@ -29,6 +29,7 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                          const c10::optional<torch::Tensor>& bias);
 bool amx_ready();
+bool set_decode_attention_tiles(bool on);
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
@@ -91,6 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "32: W's rows loaded as tiles where they lie, tdpbf16ps (CPUs with AMX)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
   m.def("amx_ready", &amx_ready, "whether this process holds the CPU's tile state (asks Linux for it once)");
+  m.def("set_decode_attention_tiles", &set_decode_attention_tiles,
+        "paged_decode_attention's bf16 path on the tile unit (AMX) on or off for this process; returns the old value");
 #endif
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
   m.def("w4a8_linear", &w4a8_linear,

@@ -108,6 +108,35 @@ inline int64_t pair_column(int64_t d) {
   return 32 * s + 16 * half + 4 * L + j;
 }
 
+// The scores [R, Q, kRun] of `runs` runs turned in place into the softmax's numerators e^(s - max), kRun bf16 in the
+// first half of each vector (lanes that were -inf: exactly 0), summed per head in float32 into sums [Q]. maxes
+// [Q, kRun]: each head's lane-wise maxima.
+inline void numerators(float* scores, int64_t runs, int64_t Q, const float* maxes, float* sums) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t h = 0; h < Q; ++h) {
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(maxes + h * kRun)));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < runs; ++i) {
+      float* at = scores + (i * Q + h) * kRun;
+      const __m512 s = _mm512_loadu_ps(at);
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ),
+                                           exp_nonpositive(_mm512_sub_ps(s, max)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    sums[h] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// acc [Q, Dh] from pair order (pair_column) to column order, each head's row divided by its sum.
+inline void normalize(float* acc, const float* sums, int64_t Q, int64_t Dh) {
+  float row[256];
+  for (int64_t h = 0; h < Q; ++h) {
+    for (int64_t d = 0; d < Dh; ++d) row[d] = acc[h * Dh + pair_column(d)] / sums[h];
+    std::copy(row, row + Dh, acc + h * Dh);
+  }
+}
+
 template <int HB>
 __attribute__((always_inline)) inline void weigh_heads(int sv, const at::BFloat16* v, int64_t stride, int64_t n,
                                                        const int32_t* pairs, float* acc, int64_t Dh) {
@@ -144,21 +173,8 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
                                                  _mm512_max_ps(_mm512_loadu_ps(maxes.data() + h * kRun), s));
                               }
                             });
-  // the numerators e^(s - max) in place as bf16, summed per head in float32 (lanes past a run's n: exactly 0)
   std::vector<float> sums(Q);
-  for (int64_t h = 0; h < Q; ++h) {
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(maxes.data() + h * kRun)));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < r; ++i) {
-      float* at = scores.data() + (i * Q + h) * kRun;
-      const __m512 s = _mm512_loadu_ps(at);
-      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ),
-                                           exp_nonpositive(_mm512_sub_ps(s, max)));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    sums[h] = _mm512_reduce_add_ps(sum);
-  }
+  numerators(scores.data(), r, Q, maxes.data(), sums.data());
   std::fill(acc, acc + Q * Dh, 0.f);
   r = 0;
   decode_runs::for_each_run(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
@@ -183,11 +199,7 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
                                   }
                                 }
                             });
-  float row[Dh];
-  for (int64_t h = 0; h < Q; ++h) {
-    for (int64_t d = 0; d < Dh; ++d) row[d] = acc[h * Dh + pair_column(d)] / sums[h];
-    std::copy(row, row + Dh, acc + h * Dh);
-  }
+  normalize(acc, sums.data(), Q, Dh);
 }
 
 // attend_task for a head dim chosen at run time (supports(Dh)).

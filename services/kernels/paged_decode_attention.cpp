@@ -10,8 +10,8 @@
 //
 // Each (sequence, kv head) pair is one task: scores of its G query heads against every key
 // (float32), a softmax, then the values weighted by it. Every key and value is read once for the G
-// heads that share it, which is all decode attention must read. A bf16 pool on an AVX512-BF16 CPU
-// (Dh a multiple of 32) is multiplied in bf16 pairs (decode_pairs.h); otherwise, with AVX-512 and Dh a
+// heads that share it, which is all decode attention must read. A bf16 pool (Dh a multiple of 32) is multiplied
+// by the tile unit on a CPU with AMX (decode_tiles.h), in bf16 pairs on one with AVX512-BF16 (decode_pairs.h); otherwise, with AVX-512 and Dh a
 // multiple of 16, each key and value row is loaded once as float32 vectors and the softmax's exp is a
 // polynomial on 16 scores at a time (decode_runs.h); with AVX2 (no AVX-512) the context goes 16 tokens
 // at a time with an online softmax (decode_blocks.h); elsewhere the same loops run scalar (the compiler
@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -28,6 +29,7 @@
 
 #include "decode_blocks.h"
 #include "decode_pairs.h"
+#include "decode_tiles.h"
 #include "decode_runs.h"
 #include "softmax_math.h"
 #include "vec_load.h"
@@ -203,7 +205,14 @@ void attend_task_chunks(const float* qf, const T* keys, const T* values, const i
 }
 #endif
 
-// A task on decode_pairs.h's path where it takes it (a bf16 pool on an AVX512-BF16 CPU, Dh a multiple of 32 up to
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define PDSERVE_DECODE_TILES
+// Whether a bf16 pool's tasks take decode_tiles.h's path (AMX) where it runs; else decode_pairs.h's. A process-wide
+// switch (set_decode_attention_tiles) so tests and benchmarks compare the two in one process.
+std::atomic<bool> decode_tiles_on{true};
+#endif
+
+// A task on decode_tiles.h's path (AMX), else on decode_pairs.h's, where it takes it (a bf16 pool on an AVX512-BF16 CPU, Dh a multiple of 32 up to
 // 256; q: the task's [Q, Dh] query heads, unscaled): whether it did.
 template <typename T>
 bool attend_in_pairs(const T*, float, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -214,6 +223,12 @@ bool attend_in_pairs(const T*, float, const T*, const T*, const int64_t*, int64_
 inline bool attend_in_pairs(const at::BFloat16* q, float scale, const at::BFloat16* keys, const at::BFloat16* values,
                             const int64_t* table, int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G,
                             int64_t Dh, int64_t block_size, std::vector<float>& scores, float* acc) {
+#if defined(PDSERVE_DECODE_TILES)
+  if (decode_tiles_on && decode_tiles::supports(Dh, G)) {
+    decode_tiles::attend_task_dh(Dh, q, scale, keys, values, table, T_len, K, kh0, nkh, G, block_size, scores, acc);
+    return true;
+  }
+#endif
   if (!decode_pairs::supports(Dh)) return false;
   decode_pairs::attend_task_dh(Dh, q, scale, keys, values, table, T_len, K, kh0, nkh, G, block_size, scores, acc);
   return true;
@@ -269,6 +284,16 @@ void attend(const T* q, const T* cache, const int64_t* block_tables, const int64
 }
 
 }  // namespace
+
+// Turns decode_tiles.h's path on or off (where the build has it); returns whether it was on (false: not built).
+bool set_decode_attention_tiles(bool on) {
+#if defined(PDSERVE_DECODE_TILES)
+  return decode_tiles_on.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
