@@ -1,5 +1,5 @@
 """The parts of a batched decode step, each by every kernel this host has for it, side by side: the `1b` preset's
-products for bf16 and int8 weights at a batch's row counts (every candidate the kernel plan would time), and one layer's
+products for bf16, int8 and int4 weights at a batch's row counts (every candidate the kernel plan would time), and one layer's
 decode attention over 32 sequences x 1,024 tokens by each native path (AMX tiles, bf16 pairs). Weights and pools are
 read from memory, as a decode step reads them: each call takes the next of several copies, together past the last-level
 cache. Interleaved rounds, median milliseconds; GB/s of weights (or KV) read.
@@ -19,6 +19,7 @@ from benchmarks.report import environment, format_table, write_results
 from services.kernels import native as native_build
 from services.kernels.linear_candidates import candidates
 from services.kernels.onednn_packs import ONEDNN_PACKS
+from services.int4_weight import Int4Weight
 from services.quantized_weight import Int8Weight
 
 SHAPES = {"gate_up": (16384, 2048), "down": (2048, 8192), "qkv": (3072, 2048), "o": (2048, 2048)}  # 1b's (N, K)
@@ -43,7 +44,8 @@ def products(native, shape: str, rows: list[int], rounds: int) -> list[dict]:
     n, k = SHAPES[shape]
     copies = max(2, COPIES_BYTES // (n * k * 2))
     dense = [torch.randn(n, k).bfloat16() for _ in range(copies)]
-    weights = {"bfloat16": dense, "int8": [Int8Weight.quantize(w.float()) for w in dense]}
+    weights = {"bfloat16": dense, "int8": [Int8Weight.quantize(w.float()) for w in dense],
+               "int4": [Int4Weight.quantize(w.float()) for w in dense]}
     out = []
     for rows_ in rows:
         x = torch.randn(rows_, k).bfloat16()
@@ -55,7 +57,7 @@ def products(native, shape: str, rows: list[int], rounds: int) -> list[dict]:
                 calls[f"{fmt} {name}"] = lambda i, f=fn, ws=ws: f(x, ws[i], None)
         for name, ms in cycled(calls, rounds, copies).items():
             fmt = name.split()[0]
-            gb = n * k * (2 if fmt == "bfloat16" else 1) / 1e9
+            gb = n * k * {"bfloat16": 2, "int8": 1, "int4": 0.625}[fmt] / 1e9  # int4: its group parameters too
             out.append({"part": f"{shape} {n}x{k}", "rows": rows_, "kernel": name, "ms": ms, "gbps": gb / ms * 1e3})
         for ws in weights.values():
             for w in ws:

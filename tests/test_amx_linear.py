@@ -1,4 +1,4 @@
-"""The AMX tile product (CPUs with AMX-BF16) against the exact product, for bf16 and int8 weights, on shapes that cut
+"""The AMX tile product (CPUs with AMX-BF16) against the exact product, for bf16, int8 and int4 weights, on shapes that cut
 every tile edge (16 rows of x, 32 rows of W, two tiles of x a pass), and where the kernel plan offers it."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from services.kernels.linear_candidates import candidates
 from services.kernels.native import load
+from services.int4_weight import Int4Weight
 from services.quantized_weight import Int8Weight
 
 native = load()
@@ -43,8 +44,8 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_bf16_weights(rows, out_features, in_features):
     x, w, bias = case(rows, out_features, in_features)
     w = w.bfloat16()
-    close(native.amx_linear(x, w, None, bias), exact(x, w, bias))
-    close(native.amx_linear(x, w, None, None), exact(x, w))
+    close(native.amx_linear(x, w, None, None, bias), exact(x, w, bias))
+    close(native.amx_linear(x, w, None, None, None), exact(x, w))
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", SHAPES)
@@ -52,38 +53,54 @@ def test_int8_weights_multiply_their_integers_and_scale_the_sums(rows, out_featu
     x, w, bias = case(rows, out_features, in_features)
     q = Int8Weight.quantize(w)
     want = F.linear(x.double(), q.qweight.double()) * q.scale.double() + bias.double()
-    close(native.amx_linear(x, q.qweight, q.scale, bias), want.bfloat16())
+    close(native.amx_linear(x, q.qweight, q.scale, None, bias), want.bfloat16())
+
+
+# in features: one 64-column block, half a block past whole blocks (the padded step never read), several blocks
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 1, 64), (9, 33, 96), (33, 70, 320), (8, 40, 1024),
+                                                             (64, 65, 2048)])
+def test_int4_weights_are_the_prefill_paths_bf16_dequantization(rows, out_features, in_features):
+    x, w, bias = case(rows, out_features, in_features)
+    q = Int4Weight.quantize(w)
+    dense = torch.empty(out_features, in_features, dtype=torch.bfloat16)
+    native.int4_dequantize(q.packed, q.scale, q.low, dense)  # what int4's prefill path multiplies
+    close(native.amx_linear(x, q.packed, q.scale, q.low, bias), exact(x, dense, bias))
 
 
 def test_a_non_contiguous_x_is_read_as_its_values():
     x, w, _ = case(20, 40, 128)
     wide = torch.cat([x, x], dim=1)[:, :128]  # x's values, rows 256 apart
     assert not wide.is_contiguous()
-    close(native.amx_linear(wide, w.bfloat16(), None, None), exact(x, w.bfloat16()))
+    close(native.amx_linear(wide, w.bfloat16(), None, None, None), exact(x, w.bfloat16()))
 
 
 def test_bad_arguments_are_refused():
     x = torch.ones(2, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="CPU bf16"):
-        native.amx_linear(x.float(), torch.ones(3, 32, dtype=torch.bfloat16), None, None)
+        native.amx_linear(x.float(), torch.ones(3, 32, dtype=torch.bfloat16), None, None, None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         native.amx_linear(torch.ones(2, 48, dtype=torch.bfloat16), torch.ones(3, 48, dtype=torch.bfloat16), None,
-                          None)
+                          None, None)
     with pytest.raises(RuntimeError, match="contiguous CPU"):
-        native.amx_linear(x, torch.ones(3, 64, dtype=torch.bfloat16), None, None)
-    with pytest.raises(RuntimeError, match="bf16, or int8"):
-        native.amx_linear(x, torch.ones(3, 32, dtype=torch.float16), None, None)
+        native.amx_linear(x, torch.ones(3, 64, dtype=torch.bfloat16), None, None, None)
+    with pytest.raises(RuntimeError, match="bf16, int8 with scale, or int4"):
+        native.amx_linear(x, torch.ones(3, 32, dtype=torch.float16), None, None, None)
     with pytest.raises(RuntimeError, match="goes with int8"):
-        native.amx_linear(x, torch.ones(3, 32, dtype=torch.int8), None, None)
+        native.amx_linear(x, torch.ones(3, 32, dtype=torch.int8), None, None, None)
     with pytest.raises(RuntimeError, match="goes with int8"):
-        native.amx_linear(x, torch.ones(3, 32, dtype=torch.bfloat16), torch.ones(3), None)
+        native.amx_linear(x, torch.ones(3, 32, dtype=torch.bfloat16), torch.ones(3), None, None)
     with pytest.raises(RuntimeError, match="float32 \\[N\\]"):
-        native.amx_linear(x, torch.ones(3, 32, dtype=torch.int8), torch.ones(4), None)
+        native.amx_linear(x, torch.ones(3, 32, dtype=torch.int8), torch.ones(4), None, None)
     with pytest.raises(RuntimeError, match="bias must have N"):
-        native.amx_linear(x, torch.ones(3, 32, dtype=torch.bfloat16), None, torch.ones(4))
+        native.amx_linear(x, torch.ones(3, 32, dtype=torch.bfloat16), None, None, torch.ones(4))
+    q = Int4Weight.quantize(torch.ones(3, 64))
+    with pytest.raises(RuntimeError, match="int4 needs packed, scale and low"):
+        native.amx_linear(x, q.packed, None, q.low, None)
+    with pytest.raises(RuntimeError, match="within the weight's last 64-column block"):
+        native.amx_linear(torch.ones(2, 160, dtype=torch.bfloat16), q.packed, q.scale, q.low, None)
 
 
-@pytest.mark.parametrize("weight_format", ["bfloat16", "int8"])
+@pytest.mark.parametrize("weight_format", ["bfloat16", "int8", "int4"])
 def test_offered_for_bf16_batches_of_2_to_64_rows_with_whole_steps(weight_format):
     def offered(max_rows: int, compute: torch.dtype | None, in_features: int = 64) -> bool:
         return "native.amx" in candidates(weight_format, True, in_features, max_rows, native, compute=compute)
@@ -92,13 +109,14 @@ def test_offered_for_bf16_batches_of_2_to_64_rows_with_whole_steps(weight_format
     assert not offered(1, torch.bfloat16) and not offered(1 << 62, torch.bfloat16)
     assert not offered(64, torch.float32) and not offered(64, None, 48)
     assert not any("native.amx" in candidates(f, True, 64, 64, native, compute=torch.bfloat16)
-                   for f in ("int4", "w8a8", "w4a8", "float16"))
+                   for f in ("w8a8", "w4a8", "float16"))
 
 
-@pytest.mark.parametrize("weight_format", ["bfloat16", "int8"])
+@pytest.mark.parametrize("weight_format", ["bfloat16", "int8", "int4"])
 def test_the_candidate_matches_its_kernel(weight_format):
     x, w, bias = case(9, 33, 128)
-    weight = w.bfloat16() if weight_format == "bfloat16" else Int8Weight.quantize(w)
+    weight = (w.bfloat16() if weight_format == "bfloat16" else Int8Weight.quantize(w) if weight_format == "int8"
+              else Int4Weight.quantize(w))
     found = candidates(weight_format, True, 128, 64, native, compute=torch.bfloat16)
     reference = found["torch.linear" if weight_format == "bfloat16" else "dequant.linear"]
     torch.testing.assert_close(found["native.amx"](x, weight, bias).float(), reference(x, weight, bias).float(),

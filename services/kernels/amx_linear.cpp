@@ -1,15 +1,17 @@
-// Dense bf16 or int8 weights times a batch of bf16 rows on CPUs with AMX: y = x @ W^T (+ bias), every product by the
+// bf16, int8 or int4 weights times a batch of bf16 rows on CPUs with AMX: y = x @ W^T (+ bias), every product by the
 // tile unit (tdpbf16ps, float32 sums), W read once per 32 rows of x.
 //
 // Legend: M rows of x, K input features (a multiple of 32), N output features, S = K / 32 steps, Mt = ceil(M / 16)
 // tiles of x, NB = 32 W rows per block (two A tiles), a pass: up to two tiles of x against one block.
 //   x:     [M, K]          bf16
-//   W:     [N, K]          bf16; or int8 with scale [N] float32 (w_real[n, k] = w[n, k] * scale[n])
+//   W:     [N, K]          bf16; or int8 with scale [N] float32 (w_real[n, k] = w[n, k] * scale[n]); or group-wise
+//                          int4 (packed [N, Kp / 2], scale and low [N, Kp / 32] float16: int4_block.h)
 //   bias:  [N]             optional, float32 here (x's dtype in Python)
 //   xb:    [S, Mt, 16, 16] int32: step s, tile t, row r, lane m the pair (x[16t + m, 32s + 2r], x[.., 32s + 2r + 1]),
 //                          zeros past M: tdpbf16ps's B operand, packed once a call
 //   A:     [16, 32]        bf16 per tile: 16 W rows x one step's columns, loaded from W itself (bf16, rows K * 2
-//                          bytes apart) or from `converted` (int8 -> bf16, exact: |w| <= 127 fits bf16's 8 bits)
+//                          bytes apart) or from `converted` (int8 -> bf16, exact: |w| <= 127 fits bf16's 8 bits;
+//                          int4 dequantized and rounded to bf16 as int4's prefill path does)
 //   C:     [16, 16]        float32 per (A tile, B tile): W rows x rows of x, summed over the steps; tiles 0-3
 //   y:     [M, N]          bf16: C transposed (16 x 16 lanes), scaled (int8), + bias, rounded once
 //
@@ -30,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int4_block.h"
 #include "thread_chunks.h"
 #include "tile_state.h"
 #include "transpose16.h"
@@ -99,6 +102,39 @@ struct Int8Rows {
     const at::BFloat16* at = converted + s % 2 * kNB * kStep;
     _tile_loadd(4, at, 64);
     _tile_loadd(5, at + 16 * kStep, 64);
+  }
+};
+
+// int4 W (group-wise, int4_block.h): each 64-column block of the 32 rows dequantized to float32 and rounded to bf16
+// (int4's prefill path's values: int4_dequantize) one block ahead of its two steps' tile loads, into the other half of
+// `converted` (why ahead: Int8Rows).
+struct Int4Rows {
+  const uint8_t* packed;  // the block's first row: [32, Kp / 2]
+  const float *scale, *low;  // [32, Kp / 32] each, the block's group parameters as float32 (row_params)
+  int64_t Kp, live, S;  // live: rows of the block within N (the others: zeros)
+  at::BFloat16* converted;  // [2, 32, 64]: 64-column blocks alternate halves
+
+  void convert(int64_t blk) const {
+    at::BFloat16* out = converted + blk % 2 * kNB * 64;
+    const int64_t groups = Kp / int4::kGroup;
+    for (int64_t r = 0; r < kNB; ++r) {
+      if (r >= live) {
+        std::memset(out + r * 64, 0, 64 * sizeof(at::BFloat16));
+        continue;
+      }
+      __builtin_prefetch(packed + r * Kp / 2 + (blk + 4) * 32, 0, 3);
+      alignas(64) float values[64];
+      int4::dequantize_row(packed + r * Kp / 2 + blk * 32, scale + r * groups + 2 * blk, low + r * groups + 2 * blk,
+                           64, values);
+      int4::store_row(values, out + r * 64, 64);
+    }
+  }
+  void load(int64_t s) const {
+    if (s == 0) convert(0);
+    if (s % 2 == 0 && s / 2 + 1 < (S + 1) / 2) convert(s / 2 + 1);
+    const at::BFloat16* at = converted + s / 2 % 2 * kNB * 64 + s % 2 * kStep;
+    _tile_loadd(4, at, 128);
+    _tile_loadd(5, at + 16 * 64, 128);
   }
 };
 
@@ -172,19 +208,28 @@ bool amx_ready() { return tile_state::granted(); }
 
 // See the file's legend.
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                         const c10::optional<torch::Tensor>& bias) {
+                         const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(tile_state::granted(), "this process was not granted the CPU's tile state (AMX)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a CPU bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kStep == 0 && K > 0, "K must be a positive multiple of 32");
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.is_contiguous() && w.device().is_cpu(),
-              "w must be a contiguous CPU [N, K]");
-  const int64_t N = w.size(0);
-  const bool int8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || w.scalar_type() == at::kBFloat16, "w must be bf16, or int8 with scale");
-  TORCH_CHECK(int8 == scale.has_value(), "scale [N] float32 goes with int8 w, and only with it");
-  if (int8) TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == N && scale->is_contiguous(),
-                        "scale must be a contiguous float32 [N]");
+  const bool int4 = low.has_value();
+  int64_t N;
+  if (int4) {  // w: packed [N, Kp / 2] uint8, scale and low [N, Kp / 32] float16
+    TORCH_CHECK(scale.has_value(), "int4 needs packed, scale and low");
+    N = int4::check_product(x, w, *scale, *low).N;
+  } else {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.is_contiguous() && w.device().is_cpu(),
+                "w must be a contiguous CPU [N, K]");
+    N = w.size(0);
+    TORCH_CHECK(w.scalar_type() == at::kChar || w.scalar_type() == at::kBFloat16,
+                "w must be bf16, int8 with scale, or int4 (packed) with scale and low");
+    TORCH_CHECK((w.scalar_type() == at::kChar) == scale.has_value(), "scale [N] float32 goes with int8 w, and only with it");
+    if (scale.has_value())
+      TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == N && scale->is_contiguous(),
+                  "scale must be a contiguous float32 [N]");
+  }
+  const bool int8 = !int4 && w.scalar_type() == at::kChar;
   torch::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "bias must have N elements");
@@ -197,7 +242,22 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
   const float* sc = int8 ? scale->data_ptr<float>() : nullptr;
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   auto* out = y.data_ptr<at::BFloat16>();
-  if (int8) {
+  if (int4) {
+    const int64_t Kp = w.size(1) * 2, groups = Kp / int4::kGroup;
+    const uint8_t* packed = w.data_ptr<uint8_t>();
+    const at::Half *wscale = scale->data_ptr<at::Half>(), *wlow = low->data_ptr<at::Half>();
+    product(xb, M, N, K, nullptr, b, out, [&](int64_t n0, const auto& run) {
+      alignas(64) at::BFloat16 converted[2 * kNB * 64];
+      thread_local std::vector<float> params;  // the block's scales, then its lows, as float32
+      const int64_t live = std::min(kNB, N - n0);
+      params.resize(2 * kNB * groups);
+      float *sc = params.data(), *lo = sc + kNB * groups;
+      for (int64_t r = 0; r < live; ++r)
+        int4::row_params(wscale + (n0 + r) * groups, wlow + (n0 + r) * groups, groups, sc + r * groups,
+                         lo + r * groups);
+      run(Int4Rows{packed + n0 * Kp / 2, sc, lo, Kp, live, K / kStep, converted});
+    });
+  } else if (int8) {
     const int8_t* wv = w.data_ptr<int8_t>();
     product(xb, M, N, K, sc, b, out, [&](int64_t n0, const auto& run) {
       alignas(64) at::BFloat16 converted[2 * kNB * kStep];

@@ -27,7 +27,7 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
                                 const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& packed,
                                 const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                         const c10::optional<torch::Tensor>& bias);
+                         const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
 bool amx_ready();
 bool set_decode_attention_tiles(bool on);
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -88,9 +88,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
   m.def("amx_linear", &amx_linear,
-        "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]) for batches, W bf16 (w) or int8 (w, scale [N]), K a multiple of "
-        "32: W's rows loaded as tiles where they lie, tdpbf16ps (CPUs with AMX)",
-        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
+        "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]) for batches, W bf16 (w), int8 (w, scale [N]) or group-wise int4 "
+        "(w: packed, scale, low), K a multiple of 32: W's rows loaded as tiles where they lie, tdpbf16ps (CPUs with AMX)",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("low"), py::arg("bias"));
   m.def("amx_ready", &amx_ready, "whether this process holds the CPU's tile state (asks Linux for it once)");
   m.def("set_decode_attention_tiles", &set_decode_attention_tiles,
         "paged_decode_attention's bf16 path on the tile unit (AMX) on or off for this process; returns the old value");

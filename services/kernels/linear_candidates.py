@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.int4_weight import GROUP, Int4Weight
+from services.kernels.batch_candidates import batch_candidates
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.kernels.w4a8_candidates import w4a8_candidates
@@ -138,16 +139,6 @@ def _native_int4(kernel: Callable, *options: int) -> LinearFn:
     return int4
 
 
-def _native_pairs(kernel: Callable) -> LinearFn:
-    # pair_tiled_linear.cpp: bf16 x (candidates offers it for that compute dtype only), W bf16, int8 or int4
-    def pairs(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None
-              ) -> torch.Tensor:
-        if isinstance(weight, Int4Weight):
-            return kernel(x, None, weight.scale, weight.packed, weight.low, bias)
-        return kernel(x, *_values_and_scale(weight), None, None, bias)
-    return pairs
-
-
 # skinny_linear's variants by candidate name: (W rows in flight per thread, non_temporal prefetch, the rows one
 # from each quarter of the rows a thread takes at a time); the read ceilings time them too (services/hardware_peaks.py,
 # benchmarks/ceilings.py)
@@ -176,17 +167,8 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if weight_format == "w4a8":  # x rounded to int8 per group, then int8 dot products (or the definition's torch ops)
         return w4a8_candidates(native, on_cpu)
     found = _format_candidates(weight_format, on_cpu, in_features, max_rows, native, packed)
-    # W converted once a call into bf16 pair panels, register tiles of vdpbf16ps (AVX512-BF16 builds, bf16 x), for
-    # batches: at 1,024 rows it lost to dequantize + oneDNN (int8 16384 x 2048, Zen 4: 276 vs 207 ms), which the
-    # 65+ bucket's 128-row probe would not see (27 vs 39 ms there)
-    if (on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "pair_tiled_linear")
-            and compute in (None, torch.bfloat16) and weight_format in ("int8", "int4", "bfloat16")):
-        found["native.pairs"] = _native_pairs(native.pair_tiled_linear)
-    # AMX tiles (amx_linear.cpp), bf16 x, bf16 and int8 W, for batches: at 1,024 rows its re-reads of x lost 2x to
-    # oneDNN (16384 x 2048: 178 vs 91 ms) where the 65+ bucket's 128-row probe saw them close (15 vs 10 ms)
-    if (on_cpu and native is not None and 1 < max_rows <= 64 and hasattr(native, "amx_linear") and native.amx_ready()
-            and compute in (None, torch.bfloat16) and weight_format in ("int8", "bfloat16") and in_features % 32 == 0):
-        found["native.amx"] = _native_tiled(native.amx_linear)
+    if on_cpu and native is not None and 1 < max_rows <= 64 and compute in (None, torch.bfloat16):
+        found.update(batch_candidates(weight_format, in_features, native))
     return found
 
 
