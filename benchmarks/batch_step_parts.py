@@ -16,10 +16,10 @@ import time
 import torch
 
 from benchmarks.report import environment, format_table, write_results
+from services.int4_weight import Int4Weight
 from services.kernels import native as native_build
 from services.kernels.linear_candidates import candidates
 from services.kernels.onednn_packs import ONEDNN_PACKS
-from services.int4_weight import Int4Weight
 from services.quantized_weight import Int8Weight
 
 SHAPES = {"gate_up": (16384, 2048), "down": (2048, 8192), "qkv": (3072, 2048), "o": (2048, 2048)}  # 1b's (N, K)
@@ -29,7 +29,7 @@ COPIES_BYTES = 700 * 2**20  # the copies a kernel cycles through: past a 300 MB 
 def cycled(calls: dict, rounds: int, copies: int) -> dict[str, float]:
     """{name: median ms of one call}, each round every kernel once through its copies, in turn."""
     times = {name: [] for name in calls}
-    for name, call in calls.items():
+    for call in calls.values():
         call(0)  # warm-up: packs, buffers
     for _ in range(rounds):
         for name, call in calls.items():
@@ -52,9 +52,7 @@ def products(native, shape: str, rows: list[int], rounds: int) -> list[dict]:
         calls = {}
         for fmt, ws in weights.items():
             for name, fn in candidates(fmt, True, k, rows_, native, packed=True, compute=torch.bfloat16).items():
-                if rows_ > 1 and name in ("torch.mv",):
-                    continue
-                calls[f"{fmt} {name}"] = lambda i, f=fn, ws=ws: f(x, ws[i], None)
+                calls[f"{fmt} {name}"] = lambda i, f=fn, ws=ws, x=x: f(x, ws[i], None)
         for name, ms in cycled(calls, rounds, copies).items():
             fmt = name.split()[0]
             gb = n * k * {"bfloat16": 2, "int8": 1, "int4": 0.625}[fmt] / 1e9  # int4: its group parameters too

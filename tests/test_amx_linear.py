@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_pair_tiled_linear import case, close, exact
 
+from services.int4_weight import Int4Weight
 from services.kernels.linear_candidates import candidates
 from services.kernels.native import load
-from services.int4_weight import Int4Weight
 from services.quantized_weight import Int8Weight
 
 native = load()
@@ -20,24 +21,6 @@ pytestmark = pytest.mark.skipif(not hasattr(native, "amx_linear"), reason="built
 # several, and the 1b preset's 8,192
 SHAPES = [(1, 1, 32), (15, 16, 64), (16, 31, 96), (17, 32, 32), (32, 33, 128), (33, 70, 320), (48, 100, 64),
           (64, 65, 256), (65, 40, 96), (3, 5, 8192)]
-
-
-def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w^T (+ bias) in float64, rounded once to bf16: what float32 sums of exact bf16 products round to, up to
-    the sums' order."""
-    return F.linear(x.double(), w.double(), None if bias is None else bias.double()).bfloat16()
-
-
-def case(rows: int, out_features: int, in_features: int):
-    g = torch.Generator().manual_seed(rows * 1000 + out_features * 10 + in_features)
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
-    w = torch.randn(out_features, in_features, generator=g)
-    return x, w, torch.randn(out_features, generator=g).bfloat16()
-
-
-def close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-2)  # 2 bf16 steps
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", SHAPES)

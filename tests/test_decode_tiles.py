@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_native_kernels import TOLERANCE, decode_case
 
 from services.attention import torch_decode_attention
-from test_native_kernels import TOLERANCE, decode_case
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "decode_runs.h"
@@ -202,17 +203,29 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
   normalize(acc, sums.data(), Q, Dh);
 }
 
+// fn(std::integral_constant<int, DP>{}) for the head dim Dh = 32 * DP (supports(Dh)): a task's loops for a head dim
+// chosen at run time (here and in decode_tiles.h).
+template <typename Fn>
+inline void with_steps(int64_t Dh, Fn&& fn) {
+  switch (Dh / 32) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // attend_task for a head dim chosen at run time (supports(Dh)).
 inline void attend_task_dh(int64_t Dh, const at::BFloat16* q, float scale, const at::BFloat16* keys,
                            const at::BFloat16* values, const int64_t* table, int64_t T_len, int64_t K, int64_t kh0,
                            int64_t nkh, int64_t G, int64_t block_size, std::vector<float>& scores, float* acc) {
-  switch (Dh / 32) {
-#define PDSERVE_DP_CASE(i) \
-  case i: attend_task<i>(q, scale, keys, values, table, T_len, K, kh0, nkh, G, block_size, scores, acc); break;
-    PDSERVE_DP_CASE(1) PDSERVE_DP_CASE(2) PDSERVE_DP_CASE(3) PDSERVE_DP_CASE(4)
-    PDSERVE_DP_CASE(5) PDSERVE_DP_CASE(6) PDSERVE_DP_CASE(7) default: PDSERVE_DP_CASE(8)
-#undef PDSERVE_DP_CASE
-  }
+  with_steps(Dh, [&](auto dp) {
+    attend_task<decltype(dp)::value>(q, scale, keys, values, table, T_len, K, kh0, nkh, G, block_size, scores, acc);
+  });
 }
 
 }  // namespace decode_pairs

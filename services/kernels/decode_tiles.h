@@ -211,13 +211,9 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
 inline void attend_task_dh(int64_t Dh, const at::BFloat16* q, float scale, const at::BFloat16* keys,
                            const at::BFloat16* values, const int64_t* table, int64_t T_len, int64_t K, int64_t kh0,
                            int64_t nkh, int64_t G, int64_t block_size, std::vector<float>& scores, float* acc) {
-  switch (Dh / 32) {
-#define PDSERVE_DP_CASE(i) \
-  case i: attend_task<i>(q, scale, keys, values, table, T_len, K, kh0, nkh, G, block_size, scores, acc); break;
-    PDSERVE_DP_CASE(1) PDSERVE_DP_CASE(2) PDSERVE_DP_CASE(3) PDSERVE_DP_CASE(4)
-    PDSERVE_DP_CASE(5) PDSERVE_DP_CASE(6) PDSERVE_DP_CASE(7) default: PDSERVE_DP_CASE(8)
-#undef PDSERVE_DP_CASE
-  }
+  decode_pairs::with_steps(Dh, [&](auto dp) {
+    attend_task<decltype(dp)::value>(q, scale, keys, values, table, T_len, K, kh0, nkh, G, block_size, scores, acc);
+  });
 }
 
 }  // namespace decode_tiles
