@@ -152,7 +152,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
     N = w.size(0);
     TORCH_CHECK(w.scalar_type() == at::kChar || w.scalar_type() == at::kBFloat16,
                 "w must be bf16, int8 with scale, or int4 (packed) with scale and low");
-    TORCH_CHECK((w.scalar_type() == at::kChar) == scale.has_value(), "scale [N] float32 goes with int8 w, and only with it");
+    TORCH_CHECK((w.scalar_type() == at::kChar) == scale.has_value(),
+                "scale [N] float32 goes with int8 w, and only with it");
     if (scale.has_value())
       TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == N && scale->is_contiguous(),
                   "scale must be a contiguous float32 [N]");

@@ -20,6 +20,7 @@
 #pragma once
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define PDSERVE_DECODE_TILES 1
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
@@ -132,7 +133,8 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
   for (int64_t j = 0; j < nkh; ++j)
     for (int64_t c = 0; c < DP; ++c)
       for (int64_t r = 0; r < 16; ++r)
-        for (int64_t g = 0; g < G; ++g) qb[((j * DP + c) * 16 + r) * G + g] = q_pairs[(j * G + g) * Dh / 2 + 16 * c + r];
+        for (int64_t g = 0; g < G; ++g)
+          qb[((j * DP + c) * 16 + r) * G + g] = q_pairs[(j * G + g) * Dh / 2 + 16 * c + r];
   load_tiles(G);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   std::vector<float> maxes(Q * kRun, -std::numeric_limits<float>::infinity());  // per head, lane-wise

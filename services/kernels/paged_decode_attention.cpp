@@ -11,10 +11,10 @@
 // Each (sequence, kv head) pair is one task: scores of its G query heads against every key
 // (float32), a softmax, then the values weighted by it. Every key and value is read once for the G
 // heads that share it, which is all decode attention must read. A bf16 pool (Dh a multiple of 32) is multiplied
-// by the tile unit on a CPU with AMX (decode_tiles.h), in bf16 pairs on one with AVX512-BF16 (decode_pairs.h); otherwise, with AVX-512 and Dh a
-// multiple of 16, each key and value row is loaded once as float32 vectors and the softmax's exp is a
-// polynomial on 16 scores at a time (decode_runs.h); with AVX2 (no AVX-512) the context goes 16 tokens
-// at a time with an online softmax (decode_blocks.h); elsewhere the same loops run scalar (the compiler
+// by the tile unit on a CPU with AMX (decode_tiles.h), in bf16 pairs on one with AVX512-BF16 (decode_pairs.h);
+// otherwise, with AVX-512 and Dh a multiple of 16, each key and value row is loaded once as float32 vectors and the
+// softmax's exp is a polynomial on 16 scores at a time (decode_runs.h); with AVX2 (no AVX-512) the context goes 16
+// tokens at a time with an online softmax (decode_blocks.h); elsewhere the same loops run scalar (the compiler
 // vectorizes what it can).
 
 #include <torch/extension.h>
@@ -205,22 +205,21 @@ void attend_task_chunks(const float* qf, const T* keys, const T* values, const i
 }
 #endif
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#define PDSERVE_DECODE_TILES
+#if defined(PDSERVE_DECODE_TILES)
 // Whether a bf16 pool's tasks take decode_tiles.h's path (AMX) where it runs; else decode_pairs.h's. A process-wide
 // switch (set_decode_attention_tiles) so tests and benchmarks compare the two in one process.
 std::atomic<bool> decode_tiles_on{true};
 #endif
 
-// A task on decode_tiles.h's path (AMX), else on decode_pairs.h's, where it takes it (a bf16 pool on an AVX512-BF16 CPU, Dh a multiple of 32 up to
-// 256; q: the task's [Q, Dh] query heads, unscaled): whether it did.
+// A task on decode_tiles.h's path (AMX), else on decode_pairs.h's, where one takes it (a bf16 pool on an AVX512-BF16
+// CPU, Dh a multiple of 32 up to 256; q: the task's [Q, Dh] query heads, unscaled): whether it did.
 template <typename T>
-bool attend_in_pairs(const T*, float, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+bool attend_in_bf16(const T*, float, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                      int64_t, int64_t, std::vector<float>&, float*) {
   return false;
 }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-inline bool attend_in_pairs(const at::BFloat16* q, float scale, const at::BFloat16* keys, const at::BFloat16* values,
+inline bool attend_in_bf16(const at::BFloat16* q, float scale, const at::BFloat16* keys, const at::BFloat16* values,
                             const int64_t* table, int64_t T_len, int64_t K, int64_t kh0, int64_t nkh, int64_t G,
                             int64_t Dh, int64_t block_size, std::vector<float>& scores, float* acc) {
 #if defined(PDSERVE_DECODE_TILES)
@@ -263,7 +262,7 @@ void attend(const T* q, const T* cache, const int64_t* block_tables, const int64
       const int64_t b = task / chunks, kh0 = (task % chunks) * nkh, T_len = context_lens[b];
       const int64_t h0 = kh0 * G, Q = nkh * G;  // query heads h0 .. h0 + Q - 1
       const int64_t* table = block_tables + b * max_blocks;
-      if (!attend_in_pairs(q + (b * H + h0) * Dh, scale, keys, values, table, T_len, K, kh0, nkh, G, Dh, block_size,
+      if (!attend_in_bf16(q + (b * H + h0) * Dh, scale, keys, values, table, T_len, K, kh0, nkh, G, Dh, block_size,
                            scores, acc.data())) {
         for (int64_t h = 0; h < Q; ++h)  // scaled once
           for (int64_t d = 0; d < Dh; ++d) qf[h * Dh + d] = scalar_to_float(q[(b * H + h0 + h) * Dh + d]) * scale;
