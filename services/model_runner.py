@@ -133,7 +133,8 @@ class ModelRunner:
         logits, exported = self.execute(plan)
         prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], prompt_rows, batch)
         logits = logits[:num_sampled]
-        tokens = iter(sample(logits, sampling_seqs, self.config.eos_token_ids) if sampling_seqs else [])
+        tokens = iter(sample(logits, sampling_seqs, self.config.eos_token_ids, self.model.plan.native)
+                      if sampling_seqs else [])
         sampled = [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]
         if self.device.type == "cuda" and not sampling_seqs:  # nothing sampled waited for the kernels
             torch.cuda.synchronize(self.device)  # (a middle prefill chunk): its busy time must include them

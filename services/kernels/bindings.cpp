@@ -30,6 +30,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
                          const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
 bool amx_ready();
 bool set_decode_attention_tiles(bool on);
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
@@ -92,6 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(w: packed, scale, low), K a multiple of 32: W's rows loaded as tiles where they lie, tdpbf16ps (CPUs with AMX)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("low"), py::arg("bias"));
   m.def("amx_ready", &amx_ready, "whether this process holds the CPU's tile state (asks Linux for it once)");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 logits [M, V], the rows over the threads");
   m.def("set_decode_attention_tiles", &set_decode_attention_tiles,
         "paged_decode_attention's bf16 path on the tile unit (AMX) on or off for this process; returns the old value");
 #endif
