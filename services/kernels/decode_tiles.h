@@ -4,10 +4,13 @@
 // Legend: G query heads sharing one kv head (<= 16), nkh kv heads of a task, Q = nkh * G, Dh head dim (a multiple of
 // 32, at most 256: DP = Dh / 32 steps of 32 dims), n <= kRun = 16 tokens of a run (one tile of tokens).
 //   q:      [Q, Dh]                bf16, unscaled, the task's query heads
-//   qb:     [nkh, DP, 16, G]       int32: kv head j's heads' pairs (q[g, 32c + 2r], q[g, 32c + 2r + 1]): tile 1
+//   qb:     [nkh, DP, 16, 16]      int32: kv head j's heads' pairs (q[g, 32c + 2r], q[g, 32c + 2r + 1]) in columns
+//                                  (j % per_c) G + g, zeros in the others (per_c = 16 / G kv heads share a C tile):
+//                                  tiles 1, 4 (even / odd steps)
 //   K rows: [16, 32] bf16          a run's key rows, one step of dims, loaded from the pool where they lie (rows
-//                                  K * Dh apart; a run shorter than 16 from a zero-padded copy): tile 0
-//   scores: [R, Q, kRun]           float32 (decode_pairs.h): tile 2 ([16 tokens, G] per kv head) transposed into it,
+//                                  K * Dh apart; a run shorter than 16 from a zero-padded copy): tiles 0, 3
+//   scores: [R, Q, kRun]           float32 (decode_pairs.h): tile 2 ([16 tokens, per_c G] per group of per_c kv
+//                                  heads) transposed into it,
 //                                  then in place the bf16 probabilities: G heads x 16 tokens, 64 bytes apart: tile 3
 //   vb:     [nkh, 2 DP, 8, 16]     int32 per run: token pairs (v[2i, d], v[2i + 1, d]) of 16 dims in pair order
 //                                  (decode_pairs.h pair_column): tile 4
@@ -43,12 +46,9 @@ inline bool supports(int64_t Dh, int64_t G) {
   return decode_pairs::supports(Dh) && G >= 1 && G <= 16 && tile_state::granted();
 }
 
-// Tiles: 0 key rows (A), 1 q's pairs (B), 2 scores (C); 3 probabilities (A), 4 values' pairs (B), 5 sums (C).
-inline void load_tiles(int64_t G) {
-  tile_state::Config()
-      .tile(0, 16, 64).tile(1, 16, 4 * G).tile(2, 16, 4 * G)
-      .tile(3, G, 2 * kRun).tile(4, kRun / 2, 64).tile(5, G, 64)
-      .load();
+// Tiles of the scores: 0 and 3 key rows (A), 1 and 4 q's pairs (B), 2 a group's scores (C).
+inline void load_score_tiles() {
+  tile_state::Config().tile(0, 16, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, 16, 64).tile(4, 16, 64).load();
 }
 
 // A run's n value rows v + c * stride (one kv head's Dh dims; rows past n: zeros) as token pairs in pair order:
@@ -128,48 +128,63 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
   const int64_t Q = nkh * G, stride = K * Dh;
   const int64_t runs = (T_len + block_size - 1) / block_size * ((block_size + kRun - 1) / kRun);
   scores.resize(runs * Q * kRun);
-  std::vector<int32_t> qb(nkh * DP * 16 * G);
+  // kv heads whose query heads share the 16 columns of one C tile: each one's B tiles hold its G columns and zeros,
+  // so a group's products add into one tile, stored and transposed once for all of them. Why: per kv head, the
+  // store, the 16 loads and the 16 x 16 transpose of a tile with G = 4 live columns were 2-7% of a 32 x 1,024-token
+  // layer (Intel Xeon, family 6 model 207); the zero columns add exact zeros, so the scores are the same bits.
+  const int64_t per_c = std::min<int64_t>(nkh, 16 / G);
+  std::vector<int32_t> qb(nkh * DP * 16 * 16, 0);
   const int32_t* q_pairs = reinterpret_cast<const int32_t*>(q);  // head h's pair i: q_pairs[h * Dh / 2 + i]
   for (int64_t j = 0; j < nkh; ++j)
     for (int64_t c = 0; c < DP; ++c)
       for (int64_t r = 0; r < 16; ++r)
         for (int64_t g = 0; g < G; ++g)
-          qb[((j * DP + c) * 16 + r) * G + g] = q_pairs[(j * G + g) * Dh / 2 + 16 * c + r];
-  load_tiles(G);
+          qb[((j * DP + c) * 16 + r) * 16 + (j % per_c) * G + g] = q_pairs[(j * G + g) * Dh / 2 + 16 * c + r];
+  load_score_tiles();
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scales = _mm512_set1_ps(scale);
   std::vector<float> maxes(Q * kRun, -std::numeric_limits<float>::infinity());  // per head, lane-wise
   alignas(64) at::BFloat16 padded[kRun * Dh];  // a short run's key rows, zeros past n
-  alignas(64) float run_scores[kRun * 16];  // tile 2: [16 tokens, G], rows 64 bytes apart
+  alignas(64) float run_scores[kRun * 16];  // tile 2: [16 tokens, 16 columns]
   int64_t r = 0;
   decode_runs::for_each_run(keys, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
                             [&](int64_t, const at::BFloat16* first, int64_t n,
                                 const decode_runs::NextRun<at::BFloat16>& next) {
     float* run = scores.data() + r++ * Q * kRun;
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t j = 0; j < nkh; ++j) {
-      next.fetch(j, nkh);
-      const at::BFloat16* k = first + j * Dh;
-      int64_t k_stride = stride;
-      if (n < kRun) {  // rows past the run may lie past the pool's end
-        for (int64_t t = 0; t < kRun; ++t)
-          if (t < n) std::memcpy(padded + t * Dh, k + t * stride, Dh * sizeof(at::BFloat16));
-          else std::memset(padded + t * Dh, 0, Dh * sizeof(at::BFloat16));
-        k = padded, k_stride = Dh;
-      }
+    for (int64_t j0 = 0; j0 < nkh; j0 += per_c) {
+      const int64_t group = std::min(per_c, nkh - j0);
       _tile_zero(2);
-      for (int64_t c = 0; c < DP; ++c) {
-        _tile_loadd(0, k + 32 * c, k_stride * 2);
-        _tile_loadd(1, qb.data() + (j * DP + c) * 16 * G, 4 * G);
-        _tile_dpbf16ps(2, 0, 1);
+      for (int64_t j = j0; j < j0 + group; ++j) {
+        next.fetch(j, nkh);
+        const at::BFloat16* k = first + j * Dh;
+        int64_t k_stride = stride;
+        if (n < kRun) {  // rows past the run may lie past the pool's end
+          for (int64_t t = 0; t < kRun; ++t)
+            if (t < n) std::memcpy(padded + t * Dh, k + t * stride, Dh * sizeof(at::BFloat16));
+            else std::memset(padded + t * Dh, 0, Dh * sizeof(at::BFloat16));
+          k = padded, k_stride = Dh;
+        }
+        for (int64_t c = 0; c < DP; ++c) {  // alternate tiles: a load need not wait on the product before it
+          const int32_t* qc = qb.data() + (j * DP + c) * 256;
+          if (c % 2 == 0) {
+            _tile_loadd(0, k + 32 * c, k_stride * 2);
+            _tile_loadd(1, qc, 64);
+            _tile_dpbf16ps(2, 0, 1);
+          } else {
+            _tile_loadd(3, k + 32 * c, k_stride * 2);
+            _tile_loadd(4, qc, 64);
+            _tile_dpbf16ps(2, 3, 4);
+          }
+        }
       }
       _tile_stored(2, run_scores, 64);
-      __m512i rows[16], heads[16];
+      __m512i rows[16], columns[16];
       for (int t = 0; t < 16; ++t) rows[t] = _mm512_load_si512(run_scores + 16 * t);
-      transpose16(rows, heads);  // heads[g]: head g's 16 scores
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = j * G + g;
-        const __m512 s = _mm512_mask_mov_ps(minus_inf, live, _mm512_mul_ps(_mm512_castsi512_ps(heads[g]),
-                                                                           _mm512_set1_ps(scale)));
+      transpose16(rows, columns);  // columns[c]: column c's 16 scores: head j0 G + c
+      for (int64_t c = 0; c < group * G; ++c) {
+        const int64_t h = j0 * G + c;
+        const __m512 s = _mm512_mask_mov_ps(minus_inf, live, _mm512_mul_ps(_mm512_castsi512_ps(columns[c]), scales));
         _mm512_storeu_ps(run + h * kRun, s);
         _mm512_storeu_ps(maxes.data() + h * kRun, _mm512_max_ps(_mm512_loadu_ps(maxes.data() + h * kRun), s));
       }
@@ -182,6 +197,8 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
   } else {
     std::fill(acc, acc + Q * Dh, 0.f);
     r = 0;
+    // tiles 3 probabilities (A), 4 values' pairs (B), 5 sums (C)
+    tile_state::Config().tile(3, G, 2 * kRun).tile(4, kRun / 2, 64).tile(5, G, 64).load();
     std::vector<int32_t> vb(nkh * 2 * DP * kRun / 2 * 16);
     decode_runs::for_each_run(values, table, T_len, K, kh0, nkh * Dh, Dh, block_size,
                               [&](int64_t, const at::BFloat16* first, int64_t n,
