@@ -30,6 +30,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
                          const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
 bool amx_ready();
 bool set_decode_attention_tiles(bool on);
+bool set_prefill_attention_tiles(bool on);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
@@ -93,10 +94,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(w: packed, scale, low), K a multiple of 32: W's rows loaded as tiles where they lie, tdpbf16ps (CPUs with AMX)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("low"), py::arg("bias"));
   m.def("amx_ready", &amx_ready, "whether this process holds the CPU's tile state (asks Linux for it once)");
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 logits [M, V], the rows over the threads");
+  m.def("set_prefill_attention_tiles", &set_prefill_attention_tiles,
+        "prefill attention's products on the tile unit (AMX) or not; returns the previous setting (False: not built)");
   m.def("set_decode_attention_tiles", &set_decode_attention_tiles,
         "paged_decode_attention's bf16 path on the tile unit (AMX) on or off for this process; returns the old value");
 #endif
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 logits [M, V], the rows over the threads");
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
   m.def("w4a8_linear", &w4a8_linear,
         "y[M, N] = x_q[M, K] @ W^T (+ bias[N]), W group-wise int4 in 16-row panels (w4a8_weight.py), x rounded to "

@@ -19,7 +19,8 @@
 // read: with AVX-512 BF16, vdpbf16ps multiplies a broadcast pair of query (or probability) elements
 // by 16 key columns' pairs at once, accumulating 16 float32 scores (or output elements); elsewhere
 // the same loops run on float32 with FMAs (AVX-512 or AVX2; elsewhere scalar code, which the compiler
-// vectorizes). The products are pair_gemm.h's.
+// vectorizes). The products are pair_gemm.h's; on a CPU with AMX, with bf16 pairs and Dh a multiple of 32, the tile
+// unit's (prefill_tiles.h, the same operands).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,6 +34,7 @@
 #include <type_traits>
 
 #include "pair_gemm.h"
+#include "prefill_tiles.h"
 #include "softmax_math.h"
 #include "vec_load.h"
 
@@ -206,7 +208,24 @@ void attend(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* 
   const int64_t M = std::max<int64_t>(1, 64 / G), R_max = M * G;  // ~64 rows per task
   const int64_t query_blocks = (T_len + M - 1) / M, tasks = K * query_blocks;
   std::atomic<int64_t> next{0};  // tasks handed out longest first (the last positions see the most keys)
+#if defined(PDSERVE_PREFILL_TILES)
+  const bool on_tiles = std::is_same_v<E, at::BFloat16> && prefill_tiles::supports(Dh);
+#endif
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+#if defined(PDSERVE_PREFILL_TILES)
+    prefill_tiles::Gemm tile_gemm;
+#endif
+    // c (+)= a . b (pair_gemm's contract); on the tiles a whole step of 16 pairs at a time: the values' product then
+    // reads p's columns past `cols` too, which softmax_step left zero
+    auto product = [&](const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c, int64_t ldc,
+                       int64_t rows, int64_t cols, bool add) {
+#if defined(PDSERVE_PREFILL_TILES)
+      if constexpr (std::is_same_v<E, at::BFloat16>) {
+        if (on_tiles) return tile_gemm(a, lda, b, ldb, (steps + 15) / 16 * 16, c, ldc, rows, cols, add);
+      }
+#endif
+      gemm(a, lda, b, ldb, steps, c, ldc, rows, cols, add);
+    };
     std::vector<E> qt(R_max * Dh), p(R_max * kKeys);  // [R, Dh], [R, N]
     std::vector<float> o(R_max * Dh), s(R_max * kKeys), maxes(R_max), sums(R_max * 16);  // [R, Dh], [R, N], [R], [R, 16]
     for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
@@ -225,11 +244,11 @@ void attend(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* 
         const E* vblock = vp + (kh * key_blocks + kb) * block_elems;
         // the keys up to the task's last position, in whole vectors: fewer on the diagonal block
         const int64_t cols = std::min(kKeys, (last - kb * kKeys + 16) / 16 * 16);
-        gemm(qt.data(), Dh, kblock, kKeys * kPair<E>, Dh / kPair<E>, s.data(), kKeys, R, cols, false);  // s = q k^T
+        product(qt.data(), Dh, kblock, kKeys * kPair<E>, Dh / kPair<E>, s.data(), kKeys, R, cols, false);  // s = q k^T
         for (int64_t r = 0; r < R; ++r)  // row r sees keys up to its own position
           softmax_step(s.data() + r * kKeys, first + j0 + r / G - kb * kKeys + 1, scale, maxes[r], sums.data() + r * 16,
                        p.data() + r * kKeys, o.data() + r * Dh, Dh);
-        gemm(p.data(), kKeys, vblock, Dh * kPair<E>, cols / kPair<E>, o.data(), Dh, R, Dh, true);  // o += p v
+        product(p.data(), kKeys, vblock, Dh * kPair<E>, cols / kPair<E>, o.data(), Dh, R, Dh, true);  // o += p v
       }
       for (int64_t r = 0; r < R; ++r) {
         T* dst = out + ((j0 + r / G) * H + kh * G + r % G) * Dh;
@@ -257,6 +276,16 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& cache, const int64_t*
 }
 
 }  // namespace
+
+// Turns prefill_tiles.h's products on or off (where the build has them); returns whether they were on (false: not built).
+bool set_prefill_attention_tiles(bool on) {
+#if defined(PDSERVE_PREFILL_TILES)
+  return prefill_tiles::on.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
                                 int64_t context_len, int64_t block_size, double scale) {

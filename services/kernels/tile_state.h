@@ -32,7 +32,10 @@ struct alignas(64) Config {
     colsb[t] = static_cast<uint16_t>(bytes);
     return *this;
   }
-  void load() const { _tile_loadconfig(this); }
+  // ldtilecfg reads all 64 bytes; GCC 12's _tile_loadconfig tells the compiler it reads 8 (its asm operand is a
+  // pointer-sized object), and a configuration built just before was then stored only in part: ldtilecfg got garbage
+  // shapes and faulted (SIGSEGV). The operand here is the whole struct.
+  void load() const { __asm__ volatile("ldtilecfg %0" : : "m"(*this)); }
 };
 
 }  // namespace tile_state
