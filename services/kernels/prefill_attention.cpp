@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "pair_gemm.h"
+#include "prefill_softmax.h"
 #include "prefill_tiles.h"
 #include "softmax_math.h"
 #include "vec_load.h"
@@ -42,10 +43,8 @@ namespace {
 
 using pair_gemm::gemm;
 using pair_gemm::kPair;
+using prefill_softmax::kKeys;
 
-// N: keys per block, four 16-lane vectors of scores per query row (measured: 64 keys amortize the
-// softmax's per-block reductions and rescaling ~10% better than 32)
-constexpr int64_t kKeys = 64;
 
 // Key block kb of kv head kh, packed for the products: kp [Dh / Pr, N, Pr] (the scores' b: keys are
 // its columns) and vp [N / Pr, Dh, Pr] (the outputs' b: head dims are its columns). Positions at or
@@ -98,96 +97,6 @@ void pack_block(const T* keys, const T* values, const int64_t* table, int64_t bl
     }
 }
 
-// One key block's online-softmax step for row r: s [N] raw scores q.k, of which the first `visible`
-// count (the causal bound); p [N] gets e^(scale (s - new max)), zeros past `visible`; o [Dh] and the
-// row's sums [16] (partial sums, one per vector lane) are rescaled to the new max. Maxes are kept in
-// raw score units (scale > 0), so each score costs one FMA before its exponential.
-template <typename E>
-void softmax_step(const float* s, int64_t visible, float scale, float& max, float* sums, E* p, float* o, int64_t Dh) {
-  visible = std::min(visible, kKeys);
-  if (visible <= 0) {  // a block wholly after this row's position
-    std::fill(p, p + kKeys, static_cast<E>(0.f));
-    return;
-  }
-  constexpr int64_t V = kKeys / 16;
-  float new_max = max, alpha = 1.f;
-#if defined(__AVX512F__)
-  // bf16 probabilities need less of the exponential's precision than float32 ones
-  constexpr int kDegree = std::is_same_v<E, float> ? 6 : 4;
-  const float log2e_scale = 1.44269504f * scale;
-  __m512 sv[V];
-  __mmask16 lanes[V];
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t v = 0; v < V; ++v) {
-    const int64_t in = std::clamp<int64_t>(visible - 16 * v, 0, 16);
-    lanes[v] = static_cast<__mmask16>((1u << in) - 1);
-    sv[v] = _mm512_mask_loadu_ps(vmax, lanes[v], s + 16 * v);  // -inf past `visible`
-    vmax = _mm512_max_ps(vmax, sv[v]);
-  }
-  new_max = std::max(max, _mm512_reduce_max_ps(vmax));
-  if (new_max > max)  // 0 on the first block (max = -inf)
-    alpha = _mm_cvtss_f32(_mm512_castps512_ps128(
-        exp2_nonpositive<kDegree>(_mm512_set1_ps(std::max((max - new_max) * log2e_scale, -150.f)))));
-  const __m512 c = _mm512_set1_ps(log2e_scale), shift = _mm512_set1_ps(-new_max * log2e_scale);
-  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(alpha));
-  __m512 e[V];
-  for (int64_t v = 0; v < V; ++v) {
-    e[v] = _mm512_maskz_mov_ps(lanes[v], exp2_nonpositive<kDegree>(_mm512_fmadd_ps(sv[v], c, shift)));
-    sum = _mm512_add_ps(sum, e[v]);
-  }
-  _mm512_storeu_ps(sums, sum);
-  for (int64_t v = 0; v < V; ++v) {
-    if constexpr (std::is_same_v<E, float>) {
-      _mm512_storeu_ps(p + 16 * v, e[v]);
-    } else {
-#if defined(__AVX512BF16__)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * v), (__m256i)_mm512_cvtneps_pbh(e[v]));
-#endif
-    }
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  // the same on 8 lanes, into sums' first 8 (probabilities in float32: there is no bf16 product here)
-  static_assert(std::is_same_v<E, float>, "AVX2 hosts pack float32");
-  constexpr int64_t V8 = kKeys / 8;
-  const float log2e_scale = 1.44269504f * scale;
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 sv[V8], keep[V8];
-  __m256 vmax = neg_inf;
-  for (int64_t v = 0; v < V8; ++v) {
-    const int in = static_cast<int>(std::clamp<int64_t>(visible - 8 * v, 0, 8));
-    keep[v] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(in), iota));
-    sv[v] = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + 8 * v), keep[v]);  // -inf past `visible`
-    vmax = _mm256_max_ps(vmax, sv[v]);
-  }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  new_max = std::max(max, _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
-  if (new_max > max)  // 0 on the first block (max = -inf): 2^-126 times sums and o that are 0
-    alpha = _mm256_cvtss_f32(exp2_nonpositive(_mm256_set1_ps(std::max((max - new_max) * log2e_scale, -150.f))));
-  const __m256 c = _mm256_set1_ps(log2e_scale), shift = _mm256_set1_ps(-new_max * log2e_scale);
-  __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(sums), _mm256_set1_ps(alpha));
-  for (int64_t v = 0; v < V8; ++v) {
-    const __m256 e = _mm256_and_ps(keep[v], exp2_nonpositive(_mm256_fmadd_ps(sv[v], c, shift)));
-    sum = _mm256_add_ps(sum, e);
-    _mm256_storeu_ps(p + 8 * v, e);
-  }
-  _mm256_storeu_ps(sums, sum);
-#else
-  for (int64_t n = 0; n < visible; ++n) new_max = std::max(new_max, s[n]);
-  alpha = std::exp(scale * (max - new_max));  // 0 on the first block (max = -inf)
-  sums[0] *= alpha;
-  for (int64_t n = 0; n < kKeys; ++n) {
-    const float e = n < visible ? std::exp(scale * (s[n] - new_max)) : 0.f;
-    p[n] = static_cast<E>(e);
-    sums[0] += e;
-  }
-#endif
-  if (alpha != 1.f)
-    for (int64_t d = 0; d < Dh; ++d) o[d] *= alpha;
-  max = new_max;
-}
-
 template <typename T, typename E>
 void attend(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* cache, const int64_t* table, T* out,
             int64_t T_len, int64_t C, int64_t H, int64_t K, int64_t Dh, int64_t S, int64_t block_size, float scale) {
@@ -216,7 +125,7 @@ void attend(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* 
     prefill_tiles::Gemm tile_gemm;
 #endif
     // c (+)= a . b (pair_gemm's contract); on the tiles a whole step of 16 pairs at a time: the values' product then
-    // reads p's columns past `cols` too, which softmax_step left zero
+    // reads p's columns past `cols` too, which the softmax left zero
     auto product = [&](const E* a, int64_t lda, const E* b, int64_t ldb, int64_t steps, float* c, int64_t ldc,
                        int64_t rows, int64_t cols, bool add) {
 #if defined(PDSERVE_PREFILL_TILES)
@@ -245,9 +154,9 @@ void attend(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* 
         // the keys up to the task's last position, in whole vectors: fewer on the diagonal block
         const int64_t cols = std::min(kKeys, (last - kb * kKeys + 16) / 16 * 16);
         product(qt.data(), Dh, kblock, kKeys * kPair<E>, Dh / kPair<E>, s.data(), kKeys, R, cols, false);  // s = q k^T
-        for (int64_t r = 0; r < R; ++r)  // row r sees keys up to its own position
-          softmax_step(s.data() + r * kKeys, first + j0 + r / G - kb * kKeys + 1, scale, maxes[r], sums.data() + r * 16,
-                       p.data() + r * kKeys, o.data() + r * Dh, Dh);
+        prefill_softmax::softmax_rows(  // row r sees keys up to its own position
+            s.data(), R, [&](int64_t r) { return first + j0 + r / G - kb * kKeys + 1; }, scale, maxes.data(),
+            sums.data(), p.data(), o.data(), Dh);
         product(p.data(), kKeys, vblock, Dh * kPair<E>, cols / kPair<E>, o.data(), Dh, R, Dh, true);  // o += p v
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -277,7 +186,8 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& cache, const int64_t*
 
 }  // namespace
 
-// Turns prefill_tiles.h's products on or off (where the build has them); returns whether they were on (false: not built).
+// Turns prefill_tiles.h's products on or off (where the build has them); returns whether they were on (false: not
+// built).
 bool set_prefill_attention_tiles(bool on) {
 #if defined(PDSERVE_PREFILL_TILES)
   return prefill_tiles::on.exchange(on);
