@@ -40,21 +40,6 @@ using decode_runs::kRun;
 
 inline bool supports(int64_t Dh) { return Dh % 32 == 0 && Dh >= 32 && Dh <= 256; }
 
-// Sixteen vectors' lane sums as one vector (lane c: the sum of v[c]'s lanes): a transposing tree of 45 instructions,
-// against a horizontal sum (~8, each a chain of shuffles and adds) per vector.
-inline __m512 sum_lanes16(const __m512 v[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i]'s partial sums at 0 and 2, v[2i + 1]'s at 1 and 3
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: v[4i .. 4i + 3]'s partial sums
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
-  // the 128-bit lanes summed, b[i]'s into lane i
-  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-}
-
 // The n <= kRun scores of one query head q [Dh] against the key rows k + c * stride, lane c (lanes past n: 0): each
 // token's DP products summed in its own register, then sixteen registers' lanes summed by one transposing tree.
 template <int DP>
@@ -69,7 +54,7 @@ inline __m512 run_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t s
       for (int p = 0; p < DP; ++p)
         v[c] = _mm512_dpbf16_ps(v[c], qv[p], (__m512bh)_mm512_loadu_si512(k + c * stride + 32 * p));
   }
-  return sum_lanes16(v);
+  return fold_lanes16(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
 }
 
 // acc[h] += sum_c p_h[c] * v_c for HB heads and SV source registers (32 dims each) of the n value rows

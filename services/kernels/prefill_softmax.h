@@ -81,22 +81,10 @@ void softmax_step(const float* s, int64_t visible, float scale, float& max, floa
 #endif
 
 #if defined(__AVX512F__)
-// Sixteen vectors' lane maxima as one vector (lane c: the largest of v[c]'s lanes): decode_pairs' transposing tree.
-inline __m512 max_lanes16(const __m512 v[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_max_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
-  const __m512 c0 = _mm512_max_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 c1 = _mm512_max_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_max_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-}
-
-// softmax_step for n <= 16 rows at once (row i: s + i N, visible[i], maxes[i], ...), the same arithmetic lane for lane:
-// the rows' maxima by one transposing tree and their rescaling factors by one exponential, not one chain a row. Why:
-// with the products on AMX tiles the per-row steps were half a prefill layer (`1b` shapes, 1,024 tokens).
+// softmax_step for n <= 16 rows at once (row i: s + i N, visible[i], maxes[i], ...), the same arithmetic lane for
+// lane: the rows' maxima by one transposing tree (fold_lanes16) and their rescaling factors by one exponential, not
+// one chain a row. Why: with the products on AMX tiles the per-row steps were half a prefill layer (`1b` shapes,
+// 1,024 tokens).
 template <typename E>
 void softmax_rows16(const float* s, const int64_t* visible, int64_t n, float scale, float* maxes, float* sums, E* p,
                     float* o, int64_t Dh) {
@@ -116,7 +104,8 @@ void softmax_rows16(const float* s, const int64_t* visible, int64_t n, float sca
   }
   const __mmask16 rows = static_cast<__mmask16>((1u << n) - 1);
   const __m512 old_max = _mm512_mask_loadu_ps(minus_inf, rows, maxes);
-  const __m512 new_max = _mm512_max_ps(old_max, max_lanes16(row_max));
+  const auto larger = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
+  const __m512 new_max = _mm512_max_ps(old_max, fold_lanes16(row_max, larger));
   const __mmask16 risen = _mm512_cmp_ps_mask(new_max, old_max, _CMP_GT_OQ);  // 0 on the first block (max = -inf)
   const __m512 drop = _mm512_mul_ps(_mm512_sub_ps(old_max, new_max), _mm512_set1_ps(log2e_scale));
   const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), risen,
