@@ -1,6 +1,6 @@
 """w8a8: int8 weights whose products also round each activation row to int8 (dynamic, symmetric) and
 multiply int8 by int8 — the kernel plan's `int8.dynamic` (torch's operators) or `native.w8a8` (the same definition
-bit for bit, w8a8_linear.cpp), at every row count on a CPU."""
+bit for bit, w8a8_linear.cpp; on CPUs with AMX for 2-64 rows also `native.w8a8.amx`), at every row count on a CPU."""
 
 from __future__ import annotations
 
@@ -70,6 +70,36 @@ def test_the_native_kernel_is_the_definition_bit_for_bit(dtype):
             kernel(x, weight.qweight, weight.scale, bias[:-1])
         with pytest.raises(RuntimeError, match="x float32, bf16 or fp16"):
             kernel(x.double(), weight.qweight, weight.scale, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_tile_unit_product_is_the_definition_bit_for_bit(dtype):
+    built = native.load()
+    if not hasattr(built, "amx_w8a8_linear") or not built.amx_ready():
+        pytest.skip("the tile unit's w8a8 product is built on CPUs with AMX-INT8 only")
+    g = torch.Generator().manual_seed(5)
+    # rows 1-64 (x tiles cut short; one or two a pass), N past whole 32-row blocks and 16-row tiles, K 64 .. 4,096
+    for rows, out_features, in_features in ((2, 37, 64), (16, 33, 128), (17, 70, 192), (33, 129, 512),
+                                            (64, 24, 4096), (1, 5, 64), (40, 1, 64)):
+        weight = quantize(torch.randn(out_features, in_features, generator=g), "w8a8")
+        x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
+        if rows > 2:
+            x[-1] = 0  # an all-zero row: scale 1e-30 / 127, every product 0
+        bias = torch.randn(out_features, generator=g).to(dtype)
+        for b in (None, bias):
+            got = built.amx_w8a8_linear(x, weight.qweight, weight.scale, b)
+            assert got.dtype == dtype and torch.equal(got, _int8_dynamic_mm(x, weight, b)), (rows, in_features, b)
+    # offered for batches of 2-64 rows whose K is whole steps of 64
+    assert "native.w8a8.amx" in candidates("w8a8", True, 128, 8, built)
+    assert "native.w8a8.amx" in candidates("w8a8", True, 128, 64, built)
+    for in_features, max_rows in ((100, 32), (128, 1), (128, 65)):
+        assert "native.w8a8.amx" not in candidates("w8a8", True, in_features, max_rows, built)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        built.amx_w8a8_linear(torch.randn(2, 96).to(dtype), torch.zeros(3, 96, dtype=torch.int8), torch.ones(3), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        built.amx_w8a8_linear(x, weight.qweight, weight.scale, bias[:-1])
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        built.amx_w8a8_linear(x.double(), weight.qweight, weight.scale, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -29,6 +29,8 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                          const c10::optional<torch::Tensor>& low, const c10::optional<torch::Tensor>& bias);
 bool amx_ready();
+torch::Tensor amx_w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                              const c10::optional<torch::Tensor>& bias);
 bool set_decode_attention_tiles(bool on);
 bool set_prefill_attention_tiles(bool on);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
@@ -98,6 +100,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefill attention's products on the tile unit (AMX) or not; returns the previous setting (False: not built)");
   m.def("set_decode_attention_tiles", &set_decode_attention_tiles,
         "paged_decode_attention's bf16 path on the tile unit (AMX) on or off for this process; returns the old value");
+#endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  m.def("amx_w8a8_linear", &amx_w8a8_linear,
+        "w8a8_linear bit for bit (x rounded per row, int8 W, exact int32 products) with the products on the tile unit "
+        "(tdpbssd; CPUs with AMX), K a multiple of 64",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
 #endif
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 logits [M, V], the rows over the threads");
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))

@@ -200,7 +200,7 @@ def _format_candidates(weight_format: str, on_cpu: bool, in_features: int, max_r
             found["dequant.tiled"] = _int4_dequant_linear(native, None, _native_tiled(native.tiled_linear))
         return found
     if weight_format == "w8a8" and on_cpu:  # x rounded to int8 per row by every product (w8a8_candidates.py)
-        return w8a8_candidates(native, max_rows)
+        return w8a8_candidates(native, max_rows, in_features)
     if weight_format in ("int8", "w8a8"):  # w8a8 off the CPU: weight-only, as int8 (no dynamic product there)
         found: dict[str, LinearFn] = {"dequant.linear": _int8_dequant_linear()}
         if upcast:

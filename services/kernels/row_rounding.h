@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec_load.h"
@@ -74,6 +75,19 @@ float round_row(const T* x, int64_t K, int8_t* q, int32_t* sum) {
   }
   *sum = sum_q;
   return s;
+}
+
+// y[m, n] from its exact dot: float(dot) * xs[m] * scale[n] rounded to y's dtype, then + bias rounded again (torch adds
+// the bias after the rounding). Its includers build with fp-contract off: two roundings, as torch's operators.
+template <typename T>
+inline void w8a8_value(int32_t dot, float xs, float scale, const T* bias, T* y) {
+  const float v = static_cast<float>(dot) * xs * scale;
+  if constexpr (std::is_same_v<T, float>) {
+    *y = bias ? v + *bias : v;
+  } else {
+    const T r = static_cast<T>(v);
+    *y = bias ? static_cast<T>(static_cast<float>(r) + static_cast<float>(*bias)) : r;
+  }
 }
 
 template <typename T>

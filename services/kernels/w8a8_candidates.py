@@ -9,7 +9,9 @@ plan may time them at every row count:
 - `int8.dynamic.native`: the same product, its rounding and scaling one native pass each (w8a8_matmul_parts.cpp):
   where `_int_mm` is fast (AMX) the operators around it were most of the time;
 - `native.w8a8` (and, for 9+ rows on AVX512-VNNI CPUs, `native.w8a8.panels`): the whole product native
-  (w8a8_linear.cpp: vpdpbusd, or vpmaddubsw on AVX2 CPUs).
+  (w8a8_linear.cpp: vpdpbusd, or vpmaddubsw on AVX2 CPUs);
+- `native.w8a8.amx` (2-64 rows, K a multiple of 64, CPUs with AMX): the same with the products on the tile unit
+  (amx_w8a8_linear.cpp: tdpbssd).
 Off the CPU w8a8 runs int8's weight-only products (linear_candidates.py).
 """
 
@@ -56,8 +58,9 @@ def _native_w8a8(kernel: Callable) -> W8A8Fn:
 
 
 
-def w8a8_candidates(native: ModuleType | None, max_rows: int) -> dict[str, W8A8Fn]:
-    """The products of a w8a8 weight for batches of up to `max_rows` rows on a CPU, the definition first."""
+def w8a8_candidates(native: ModuleType | None, max_rows: int, in_features: int) -> dict[str, W8A8Fn]:
+    """The products of a w8a8 weight of `in_features` columns for batches of up to `max_rows` rows on a CPU, the
+    definition first."""
     found: dict[str, W8A8Fn] = {"int8.dynamic": _int8_dynamic_mm}
     if native is not None and hasattr(native, "w8a8_round_rows"):
         found["int8.dynamic.native"] = _int8_dynamic_native(native)
@@ -67,4 +70,8 @@ def w8a8_candidates(native: ModuleType | None, max_rows: int) -> dict[str, W8A8F
         # the same product by other register tiles (w8a8_x_panels.h): 1.1-1.4x at 16-256 rows with K 2,048,
         # 0.75-0.85x with K 8,192 (AMD EPYC Zen 4), so both are timed
         found["native.w8a8.panels"] = _native_w8a8(native.w8a8_panel_linear)
+    if (native is not None and 1 < max_rows <= 64 and in_features % 64 == 0 and hasattr(native, "amx_w8a8_linear")
+            and native.amx_ready()):
+        # the products on the tile unit (amx_w8a8_linear.cpp); past 64 rows oneDNN's `_int_mm` (int8.dynamic*)
+        found["native.w8a8.amx"] = _native_w8a8(native.amx_w8a8_linear)
     return found

@@ -37,18 +37,6 @@ namespace {
 
 constexpr int64_t kMR = 4, kBlock = 32;
 
-// y[m, n] for the tile's dots (legend)
-template <typename T>
-inline void store(int32_t dot, float xs, float scale, const T* bias, T* y) {
-  const float v = static_cast<float>(dot) * xs * scale;
-  if constexpr (std::is_same_v<T, float>) {
-    *y = bias ? v + *bias : v;
-  } else {
-    const T r = static_cast<T>(v);
-    *y = bias ? static_cast<T>(static_cast<float>(r) + static_cast<float>(*bias)) : r;
-  }
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kStep = 64, kNR = 4;
 
@@ -153,7 +141,7 @@ void block_tile(const RoundedX& x, int64_t m0, const int8_t* w, int64_t n0, int6
     tile<MR>(x.q.data() + m0 * x.Kp, x.Kp, rows, K, m0 == 0, dots);
     for (int i = 0; i < MR; ++i)
       for (int64_t j = 0; j < live; ++j)
-        store(dots[kNR * i + j] - kOffset * x.sum[m0 + i], x.s[m0 + i], scale[j0 + j], bias ? bias + j0 + j : nullptr,
+        w8a8_value(dots[kNR * i + j] - kOffset * x.sum[m0 + i], x.s[m0 + i], scale[j0 + j], bias ? bias + j0 + j : nullptr,
               y + (m0 + i) * N + j0 + j);
   }
 }
