@@ -50,22 +50,6 @@ inline void load_tiles() {
   config.load();
 }
 
-// x [M, K] -> xb (the legend's layout): 16 rows x 16 pairs at a time, transposed in registers
-std::vector<int32_t> pack_x(const at::BFloat16* x, int64_t M, int64_t K) {
-  const int64_t S = K / kStep, Mt = (M + 15) / 16;
-  std::vector<int32_t> xb(S * Mt * 256);
-  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);  // row m's pair j: pairs[m * K / 2 + j]
-  for (int64_t t = 0; t < Mt; ++t)
-    for (int64_t s = 0; s < S; ++s) {
-      __m512i in[16], out[16];
-      for (int64_t m = 0; m < 16; ++m)
-        in[m] = 16 * t + m < M ? _mm512_loadu_si512(pairs + (16 * t + m) * K / 2 + 16 * s) : _mm512_setzero_si512();
-      transpose16(in, out);
-      for (int64_t r = 0; r < 16; ++r) _mm512_storeu_si512(xb.data() + ((s * Mt + t) * 16 + r) * 16, out[r]);
-    }
-  return xb;
-}
-
 // sums [4][16][16]: tile 2a + b = W rows 16a.., x tile t0 + b; x tiles t0 and (if two) t0 + 1
 template <typename Rows>
 void pass(const Rows& rows, const int32_t* xb, int64_t S, int64_t Mt, int64_t t0, bool two, float* sums) {
@@ -167,7 +151,9 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
   const torch::Tensor xc = x.contiguous();
   torch::Tensor y = torch::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
-  const std::vector<int32_t> xb = pack_x(xc.data_ptr<at::BFloat16>(), M, K);
+  // x's pairs as B tiles (the legend's xb)
+  const std::vector<int32_t> xb =
+      tile_columns(reinterpret_cast<const int32_t*>(xc.data_ptr<at::BFloat16>()), M, K / 2);
   const float* sc = int8 ? scale->data_ptr<float>() : nullptr;
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   auto* out = y.data_ptr<at::BFloat16>();

@@ -1,6 +1,6 @@
-// w8a8 for batches on CPUs with AMX: w8a8_linear.cpp's definition bit for bit — each row of x rounded to int8 with its
-// own scale (row_rounding.h), the int8 products exact in int32, both scales applied as w8a8_linear applies them — with
-// the products on the tile unit (tdpbssd: 16 x 16 x 64 multiply-adds an instruction, W's rows as they lie).
+// w8a8 for batches on CPUs with AMX: w8a8_linear.cpp's definition bit for bit — each row of x rounded to int8 with
+// its own scale (row_rounding.h), the int8 products exact in int32, both scales applied as w8a8_linear applies them —
+// with the products on the tile unit (tdpbssd: 16 x 16 x 64 multiply-adds an instruction, W's rows as they lie).
 //
 // Legend: M rows of x, K input features (a multiple of 64), N output features, S = K / 64 steps, Mt = ceil(M / 16)
 // tiles of x, NB = 32 W rows a block (two A tiles).
@@ -33,22 +33,6 @@
 namespace {
 
 constexpr int64_t kNB = 32, kStep = 64, kAhead = 4;
-
-// xq [M, K] -> xb (the legend's layout): 16 rows x 16 quads at a time, transposed in registers
-std::vector<int32_t> pack_quads(const int8_t* xq, int64_t M, int64_t K) {
-  const int64_t S = K / kStep, Mt = (M + 15) / 16;
-  std::vector<int32_t> xb(S * Mt * 256);
-  const int32_t* quads = reinterpret_cast<const int32_t*>(xq);  // row m's quad j: quads[m * K / 4 + j]
-  for (int64_t t = 0; t < Mt; ++t)
-    for (int64_t s = 0; s < S; ++s) {
-      __m512i in[16], out[16];
-      for (int64_t m = 0; m < 16; ++m)
-        in[m] = 16 * t + m < M ? _mm512_loadu_si512(quads + (16 * t + m) * K / 4 + 16 * s) : _mm512_setzero_si512();
-      transpose16(in, out);
-      for (int64_t r = 0; r < 16; ++r) _mm512_storeu_si512(xb.data() + ((s * Mt + t) * 16 + r) * 16, out[r]);
-    }
-  return xb;
-}
 
 // sums [4][16][16] int32 of a block's 32 W rows (w, rows K bytes apart) against x tiles t0 and (if two) t0 + 1
 void pass(const int8_t* w, int64_t K, const int32_t* xb, int64_t Mt, int64_t t0, bool two, int32_t* sums) {
@@ -98,7 +82,7 @@ void store(const int32_t* tile, int64_t t, int64_t M, int64_t n0, int64_t N, con
 template <typename T>
 void product(const T* x, const int8_t* w, const float* scale, const T* bias, int64_t M, int64_t N, int64_t K, T* y) {
   const RoundedX r = round_rows(x, M, K, kStep);
-  const std::vector<int32_t> xb = pack_quads(r.q.data(), M, K);
+  const std::vector<int32_t> xb = tile_columns(reinterpret_cast<const int32_t*>(r.q.data()), M, K / 4);  // quads
   const int64_t Mt = (M + 15) / 16, blocks = (N + kNB - 1) / kNB;
   parallel_chunks(blocks, [&](int64_t b0, int64_t b1) {
     tile_state::Config config;
