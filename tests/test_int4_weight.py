@@ -137,6 +137,16 @@ def test_native_dequantization_is_the_reference(native, dtype):
                                else None, atol=1e-6 if dtype == torch.float32 else None)
 
 
+@pytest.mark.parametrize("out_features,in_features", [(9, 172), (33, 2048), (5, 64), (40, 100)])
+def test_native_bf16_dequantization_rounds_the_float32_one(native, out_features, in_features):
+    """The bf16 output (made from each group's 16 values, int4_block.h's block_bf16) is the float32 output rounded."""
+    weight = Int4Weight.quantize(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(3)))
+    full = native.int4_dequantize(weight.packed, weight.scale, weight.low, torch.empty(out_features, in_features))
+    got = native.int4_dequantize(weight.packed, weight.scale, weight.low,
+                                 torch.full((out_features, in_features), float("nan"), dtype=torch.bfloat16))
+    assert torch.equal(got, full.bfloat16())
+
+
 def test_native_refuses_mismatched_shapes(native):
     weight = Int4Weight.quantize(torch.ones(3, 64))
     for kernel in (native.int4_linear, native.int4_tiled_linear):

@@ -57,9 +57,9 @@ struct Int8Rows {
   }
 };
 
-// int4 W (group-wise, int4_block.h): each 64-column block of the 32 rows dequantized to float32 and rounded to bf16
-// (int4's prefill path's values: int4_dequantize) one block ahead of its two steps' tile loads, into the other half of
-// `converted` (why ahead: Int8Rows).
+// int4 W (group-wise, int4_block.h): each 64-column block of the 32 rows as bf16 (block_bf16: int4's prefill path's
+// values, int4_dequantize) one block ahead of its two steps' tile loads, into the other half of `converted` (why ahead:
+// Int8Rows).
 struct Int4Rows {
   const uint8_t* packed;  // the block's first row: [32, Kp / 2]
   const float *scale, *low;  // [32, Kp / 32] each, the block's group parameters as float32 (row_params)
@@ -75,10 +75,7 @@ struct Int4Rows {
         continue;
       }
       __builtin_prefetch(packed + r * Kp / 2 + (blk + 4) * 32, 0, 3);
-      alignas(64) float values[64];
-      int4::dequantize_row(packed + r * Kp / 2 + blk * 32, scale + r * groups + 2 * blk, low + r * groups + 2 * blk,
-                           64, values);
-      int4::store_row(values, out + r * 64, 64);
+      int4::block_bf16(packed + r * Kp / 2, blk, scale + r * groups, low + r * groups, out + r * 64);
     }
   }
   void load(int64_t s) const {

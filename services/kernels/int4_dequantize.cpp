@@ -7,7 +7,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "int4_block.h"
@@ -32,6 +34,17 @@ torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& 
       std::vector<float> sc(w.groups), lw(w.groups), row(w.Kp);
       for (int64_t n = n0; n < n1; ++n) {
         row_params(s + n * w.groups, lo + n * w.groups, w.groups, sc.data(), lw.data());
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<decltype(o), at::BFloat16*>) {  // by each group's 16 values (block_bf16)
+          alignas(64) at::BFloat16 last[kBlock];
+          for (int64_t b = 0; b < w.Kp / kBlock; ++b) {
+            const int64_t k0 = b * kBlock, width = std::min(kBlock, in_features - k0);
+            block_bf16(q + n * w.Kp / 2, b, sc.data(), lw.data(), width == kBlock ? o + n * in_features + k0 : last);
+            if (width < kBlock) std::copy(last, last + width, o + n * in_features + k0);
+          }
+          continue;
+        }
+#endif
         dequantize_row(q + n * w.Kp / 2, sc.data(), lw.data(), w.Kp, row.data());
         store_row(row.data(), o + n * in_features, in_features);
       }
