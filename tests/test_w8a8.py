@@ -89,6 +89,17 @@ def test_the_tile_unit_product_is_the_definition_bit_for_bit(dtype):
         for b in (None, bias):
             got = built.amx_w8a8_linear(x, weight.qweight, weight.scale, b)
             assert got.dtype == dtype and torch.equal(got, _int8_dynamic_mm(x, weight, b)), (rows, in_features, b)
+    # rows with an infinity or a NaN: their outputs' NaNs and infinities are w8a8_linear's own bits (its scalar
+    # roundings; the tile product's epilogue rounds 16 lanes at once)
+    if hasattr(built, "w8a8_linear"):
+        weight = quantize(torch.randn(20, 128, generator=g), "w8a8")
+        x = torch.randn(4, 128, generator=g).to(dtype)
+        x[1, 7], x[2, 9], x[3, 0] = float("inf"), float("nan"), -float("inf")
+        for b in (None, torch.randn(20, generator=g).to(dtype)):
+            got = built.amx_w8a8_linear(x, weight.qweight, weight.scale, b)
+            want = built.w8a8_linear(x, weight.qweight, weight.scale, b)
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            assert got.isnan().any() and torch.equal(got.view(bits), want.view(bits))
     # offered for batches of 2-64 rows whose K is whole steps of 64
     assert "native.w8a8.amx" in candidates("w8a8", True, 128, 8, built)
     assert "native.w8a8.amx" in candidates("w8a8", True, 128, 64, built)

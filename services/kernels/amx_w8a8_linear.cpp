@@ -9,7 +9,7 @@
 //   xb:    [S, Mt, 16, 16] int32: step s, tile t, row r, lane m: xq[16t + m, 64s + 4r .. 64s + 4r + 3] (B operand)
 //   A:     [16, 64]        int8 per tile: 16 W rows x one step's columns, loaded where they lie (rows K bytes apart)
 //   C:     [16, 16]        int32 per (A tile a, B tile b): W rows x rows of x; tiles 0-3 (2a + b), A 4-5, B 6-7
-//   y:     [M, N]          x's dtype: w8a8_value(dot, xs[m], scale[n], bias[n]), 16 W rows at a time
+//   y:     [M, N]          x's dtype: w8a8_value(dot, xs[m], scale[n], bias[n]) 16 lanes at a time (store)
 //
 // Why: on an Intel Xeon with AMX (family 6 model 207, 2 threads), 32 rows of 16384 x 2048: torch._int_mm (oneDNN's
 // AMX-int8, w8a8's `int8.dynamic`) 4.2 ms, this product's sums 3.6 ms, from memory.
@@ -21,13 +21,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "thread_chunks.h"
 #include "tile_state.h"
 #include "transpose16.h"
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "row_rounding.h"
 
 namespace {
@@ -61,21 +62,41 @@ void pass(const int8_t* w, int64_t K, const int32_t* xb, int64_t Mt, int64_t t0,
   _tile_stored(3, sums + 768, 64);
 }
 
+// 16 float32 rounded to y's 16-bit dtype as c10's conversions round each (w8a8_value): bf16 to nearest even with NaN
+// as 0x7FC0 (c10's round_to_nearest_even, in integer lanes); fp16 by F16C's conversion to nearest (c10::Half's on x86)
+inline __m256i rounded(__m512 v, const at::BFloat16*) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0)));
+}
+inline __m256i rounded(__m512 v, const at::Half*) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT); }
+inline __m512 widened(__m256i h, const at::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 widened(__m256i h, const at::Half*) { return _mm512_cvtph_ps(h); }
+
 // y's rows 16t + m (< M), columns n0 .. n0 + 15 (< N): a sums tile [16 W rows, 16 x rows] transposed, then
-// w8a8_value lane by lane (the same float32 operations in the same order)
+// w8a8_value's float32 operations in its order and its roundings, 16 columns at a time
 template <typename T>
 void store(const int32_t* tile, int64_t t, int64_t M, int64_t n0, int64_t N, const float* xs, const float* scale,
            const T* bias, T* y) {
   __m512i in[16], out[16];
   for (int i = 0; i < 16; ++i) in[i] = _mm512_loadu_si512(tile + 16 * i);
   transpose16(in, out);
-  const int64_t live = std::min<int64_t>(16, N - n0);
-  alignas(64) int32_t dots[16];
+  const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
+  const __m512 sc = _mm512_maskz_loadu_ps(lanes, scale + n0);
   for (int64_t m = 0; m < 16 && 16 * t + m < M; ++m) {
-    _mm512_store_si512(dots, out[m]);
     const int64_t row = 16 * t + m;
-    for (int64_t j = 0; j < live; ++j)
-      w8a8_value(dots[j], xs[row], scale[n0 + j], bias ? bias + n0 + j : nullptr, y + row * N + n0 + j);
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(out[m]), _mm512_set1_ps(xs[row])), sc);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_mask_storeu_ps(y + row * N + n0, lanes, bias ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias + n0)) : v);
+    } else {  // rounded, then + bias rounded again (torch adds the bias after the product's rounding)
+      __m256i r = rounded(v, y);
+      if (bias) r = rounded(_mm512_add_ps(widened(r, y), widened(_mm256_maskz_loadu_epi16(lanes, bias + n0), y)), y);
+      _mm256_mask_storeu_epi16(y + row * N + n0, lanes, r);
+    }
   }
 }
 

@@ -101,7 +101,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_decode_attention_tiles", &set_decode_attention_tiles,
         "paged_decode_attention's bf16 path on the tile unit (AMX) on or off for this process; returns the old value");
 #endif
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   m.def("amx_w8a8_linear", &amx_w8a8_linear,
         "w8a8_linear bit for bit (x rounded per row, int8 W, exact int32 products) with the products on the tile unit "
         "(tdpbssd; CPUs with AMX), K a multiple of 64",
