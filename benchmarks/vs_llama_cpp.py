@@ -41,11 +41,15 @@ from benchmarks.model_folders import CACHE_DIR, describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
 from services import Engine, SamplingParams
 from services.engine_config import QUANTIZATIONS
+from services.kernels.onednn_packs import available_memory_bytes
 from services.kv_payload import KVPayload
 from services.model_config import ModelConfig
 from services.scheduler import SampledToken
 
 PROMPT = list(range(300, 300 + 128))
+# What the rounds need beyond the loaded systems: the read ceilings' 2 GB buffers (a copy: two), llama.cpp's and
+# transformers' prefill buffers. With all nine systems of the `1b` preset loaded, a 24 GB host ran out in round 3.
+ROUNDS_ROOM_BYTES = 6 << 30
 LONG = list(range(300, 300 + 1024))
 
 
@@ -170,6 +174,15 @@ def same_bits_pairs(samples: dict[str, dict[str, list[float]]]) -> dict[str, dic
     return pairs
 
 
+def memory_warning(left: int | None) -> str | None:
+    """What to say when `left` bytes of memory (None: unknown) remain with every system loaded, if too few."""
+    if left is None or left >= ROUNDS_ROOM_BYTES:
+        return None
+    return (f"warning: {left / 2**30:.1f} GiB of memory left with every system loaded, and the rounds need about "
+            f"{ROUNDS_ROOM_BYTES / 2**30:.0f}: the kernel may kill this run before its table; run fewer systems at "
+            "once (e.g. --pdserve bfloat16 int8 w8a8 --llama-cpp f16 q8_0, then --pdserve int4 w4a8 --llama-cpp q4_0)")
+
+
 def read_bytes(runner) -> int:
     """Bytes one batch-1 decode step reads (weights + the short context's KV); 0: not known (transformers)."""
     if isinstance(runner, PdserveRunner):
@@ -206,6 +219,8 @@ def main() -> None:
                                                       args.threads)
     for dtype in args.transformers:
         runners[f"transformers {dtype}"] = TransformersRunner(folder, getattr(torch, dtype))
+    if warning := memory_warning(available_memory_bytes()):
+        print(warning, flush=True)
     before = ceilings_mod.measure(num_bytes=2 * 10**9, repeats=3)
     probe = ceilings_mod.ReadProbe(10**9)  # re-measured after each decode sample: the paired MBU
     samples = {name: {"decode_ms": [], "prefill_ms": [], "batch32_ms": []} for name in runners}
