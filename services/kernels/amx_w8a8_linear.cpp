@@ -69,7 +69,8 @@ inline __m256i rounded(__m512 v, const at::BFloat16*) {
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
                                         _mm512_set1_epi32(0x7FFF));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
 }
 inline __m256i rounded(__m512 v, const at::Half*) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT); }
 inline __m512 widened(__m256i h, const at::BFloat16*) {
@@ -91,7 +92,8 @@ void store(const int32_t* tile, int64_t t, int64_t M, int64_t n0, int64_t N, con
     const int64_t row = 16 * t + m;
     const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(out[m]), _mm512_set1_ps(xs[row])), sc);
     if constexpr (std::is_same_v<T, float>) {
-      _mm512_mask_storeu_ps(y + row * N + n0, lanes, bias ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias + n0)) : v);
+      const __m512 out_v = bias ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias + n0)) : v;
+      _mm512_mask_storeu_ps(y + row * N + n0, lanes, out_v);
     } else {  // rounded, then + bias rounded again (torch adds the bias after the product's rounding)
       __m256i r = rounded(v, y);
       if (bias) r = rounded(_mm512_add_ps(widened(r, y), widened(_mm256_maskz_loadu_epi16(lanes, bias + n0), y)), y);

@@ -144,7 +144,7 @@ inline void block_bf16(const uint8_t* packed, int64_t b, const float* sc, const 
   const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 first = _mm512_fmadd_ps(q, _mm512_set1_ps(sc[2 * b]), _mm512_set1_ps(lo[2 * b]));
   const __m512 second = _mm512_fmadd_ps(q, _mm512_set1_ps(sc[2 * b + 1]), _mm512_set1_ps(lo[2 * b + 1]));
-  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // words 0..15: the first group's, 16..31
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // words 0-15 the first group's
   for (int half = 0; half < 2; ++half) {  // columns 32 half .. 32 half + 31
     const __m512i order = _mm512_load_si512(words.column_byte + 32 * half);
     const __m512i column_index = _mm512_permutex2var_epi16(lo_words, order, hi_words);

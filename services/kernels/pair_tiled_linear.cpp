@@ -140,16 +140,16 @@ struct Int4Rows {
   const at::Half *scale, *low;
   int64_t K, Kp;
   void row(int64_t n, int64_t k0, at::BFloat16* out) const {
-    float sc[kKC / int4::kGroup], lo[kKC / int4::kGroup], values[kKC];
+    float sc[kKC / int4::kGroup], lo[kKC / int4::kGroup];
     const int64_t len = std::clamp<int64_t>(K - k0, 0, kKC), groups = Kp / int4::kGroup;
-    if (len > 0) {  // whole 64-column blocks of the chunk (Kp is a multiple of 64; KC too)
+    if (len > 0) {  // whole 64-column blocks of the chunk (Kp is a multiple of 64; KC too), by lookup (block_bf16)
       const int64_t span = std::min<int64_t>(kKC, Kp - k0);
       int4::row_params(scale + n * groups + k0 / int4::kGroup, low + n * groups + k0 / int4::kGroup,
                        span / int4::kGroup, sc, lo);
-      int4::dequantize_row(packed + n * Kp / 2 + k0 / 2, sc, lo, span, values);
+      for (int64_t b = 0; b < span / int4::kBlock; ++b)
+        int4::block_bf16(packed + n * Kp / 2 + k0 / 2, b, sc, lo, out + b * int4::kBlock);
     }
-    int4::store_row(values, out, len);
-    std::fill(out + len, out + kKC, at::BFloat16(0.f));
+    std::fill(out + len, out + kKC, at::BFloat16(0.f));  // past K (and past the blocks: the chunk's end)
   }
   void fetch(int64_t n, int64_t k0) const {
     fetch_bytes(packed + n * Kp / 2 + k0 / 2, std::min<int64_t>(Kp - k0, kKC) / 2);
