@@ -64,14 +64,14 @@ torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& pac
     const at::Half* s = scale.data_ptr<at::Half>();
     const at::Half* lo = low.data_ptr<at::Half>();
     at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<float> sc(groups), lw(groups), row(Kp);
-      std::vector<at::BFloat16> buffer(kRows * Kp);  // [R, Kp]: this chunk of W, dequantized
+      std::vector<float> sc(groups), lw(groups);
+      std::vector<at::BFloat16> buffer(kRows * Kp);  // [R, Kp]: this chunk of W, dequantized (block_bf16's lookup)
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t n0 = c * kRows, rows = std::min(kRows, N - n0);
         for (int64_t r = 0; r < rows; ++r) {
           row_params(s + (n0 + r) * groups, lo + (n0 + r) * groups, groups, sc.data(), lw.data());
-          dequantize_row(q + (n0 + r) * Kp / 2, sc.data(), lw.data(), Kp, row.data());
-          store_row(row.data(), buffer.data() + r * Kp, Kp);
+          for (int64_t b = 0; b < Kp / kBlock; ++b)
+            block_bf16(q + (n0 + r) * Kp / 2, b, sc.data(), lw.data(), buffer.data() + r * Kp + b * kBlock);
         }
         for (int64_t m0 = 0; m0 < M; m0 += kTileM)
           for (int64_t r0 = 0; r0 < rows; r0 += kTileN) {
