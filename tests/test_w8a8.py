@@ -44,6 +44,21 @@ def test_the_dynamic_product_is_its_definition():
     assert all(torch.equal(got, kept) for got, kept in results)  # no result lives in the reused buffers
 
 
+def _assert_the_definition(kernels: list, shapes: tuple, dtype: torch.dtype, g: torch.Generator) -> tuple:
+    """Every kernel(x, qweight, scale, bias) gives `_int8_dynamic_mm`'s bits on each (rows, N, K) of `shapes`, with and
+    without bias (x scaled by 3, its last row zero when there are more than two); returns the last x, weight, bias."""
+    for rows, out_features, in_features in shapes:
+        weight = quantize(torch.randn(out_features, in_features, generator=g), "w8a8")
+        x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
+        if rows > 2:
+            x[-1] = 0  # an all-zero row: scale 1e-30 / 127, every product 0
+        bias = torch.randn(out_features, generator=g).to(dtype)
+        for b, kernel in itertools.product((None, bias), kernels):
+            got = kernel(x, weight.qweight, weight.scale, b)
+            assert got.dtype == dtype and torch.equal(got, _int8_dynamic_mm(x, weight, b)), (rows, in_features, b)
+    return x, weight, bias
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_native_kernel_is_the_definition_bit_for_bit(dtype):
     built = native.load()
@@ -55,16 +70,9 @@ def test_the_native_kernel_is_the_definition_bit_for_bit(dtype):
     # and 12-row groups, M past 4-row tiles and 16-row panels (33: a tile of two panels, then one of one); the
     # panels' W rows read in place (K 128, whole groups) and from their copy (K 4,096, K past whole lines, N past
     # whole groups)
-    for rows, out_features, in_features in ((1, 37, 100), (5, 33, 129), (9, 70, 257), (33, 129, 515), (2, 1, 1),
-                                            (17, 24, 2050), (33, 24, 128), (17, 24, 4096)):
-        weight = quantize(torch.randn(out_features, in_features, generator=g), "w8a8")
-        x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
-        if rows > 2:
-            x[-1] = 0  # an all-zero row: scale 1e-30 / 127, every product 0
-        bias = torch.randn(out_features, generator=g).to(dtype)
-        for b, kernel in itertools.product((None, bias), kernels):
-            got = kernel(x, weight.qweight, weight.scale, b)
-            assert got.dtype == dtype and torch.equal(got, _int8_dynamic_mm(x, weight, b)), (rows, in_features, b)
+    shapes = ((1, 37, 100), (5, 33, 129), (9, 70, 257), (33, 129, 515), (2, 1, 1), (17, 24, 2050), (33, 24, 128),
+              (17, 24, 4096))
+    x, weight, bias = _assert_the_definition(kernels, shapes, dtype, g)
     for kernel in kernels:
         with pytest.raises(RuntimeError, match="bias"):
             kernel(x, weight.qweight, weight.scale, bias[:-1])
@@ -79,16 +87,8 @@ def test_the_tile_unit_product_is_the_definition_bit_for_bit(dtype):
         pytest.skip("the tile unit's w8a8 product is built on CPUs with AMX-INT8 only")
     g = torch.Generator().manual_seed(5)
     # rows 1-64 (x tiles cut short; one or two a pass), N past whole 32-row blocks and 16-row tiles, K 64 .. 4,096
-    for rows, out_features, in_features in ((2, 37, 64), (16, 33, 128), (17, 70, 192), (33, 129, 512),
-                                            (64, 24, 4096), (1, 5, 64), (40, 1, 64)):
-        weight = quantize(torch.randn(out_features, in_features, generator=g), "w8a8")
-        x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
-        if rows > 2:
-            x[-1] = 0  # an all-zero row: scale 1e-30 / 127, every product 0
-        bias = torch.randn(out_features, generator=g).to(dtype)
-        for b in (None, bias):
-            got = built.amx_w8a8_linear(x, weight.qweight, weight.scale, b)
-            assert got.dtype == dtype and torch.equal(got, _int8_dynamic_mm(x, weight, b)), (rows, in_features, b)
+    shapes = ((2, 37, 64), (16, 33, 128), (17, 70, 192), (33, 129, 512), (64, 24, 4096), (1, 5, 64), (40, 1, 64))
+    x, weight, bias = _assert_the_definition([built.amx_w8a8_linear], shapes, dtype, g)
     # rows with an infinity or a NaN: their outputs' NaNs and infinities are w8a8_linear's own bits (its scalar
     # roundings; the tile product's epilogue rounds 16 lanes at once)
     if hasattr(built, "w8a8_linear"):

@@ -141,8 +141,8 @@ void block_tile(const RoundedX& x, int64_t m0, const int8_t* w, int64_t n0, int6
     tile<MR>(x.q.data() + m0 * x.Kp, x.Kp, rows, K, m0 == 0, dots);
     for (int i = 0; i < MR; ++i)
       for (int64_t j = 0; j < live; ++j)
-        w8a8_value(dots[kNR * i + j] - kOffset * x.sum[m0 + i], x.s[m0 + i], scale[j0 + j], bias ? bias + j0 + j : nullptr,
-              y + (m0 + i) * N + j0 + j);
+        w8a8_value(dots[kNR * i + j] - kOffset * x.sum[m0 + i], x.s[m0 + i], scale[j0 + j],
+                   bias ? bias + j0 + j : nullptr, y + (m0 + i) * N + j0 + j);
   }
 }
 
