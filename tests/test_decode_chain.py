@@ -57,6 +57,8 @@ def test_the_chain_has_the_loops_logits_bit_for_bit_with_every_kernel(native, ti
     native_kinds = {None: {"skinny"}, "int8": {"skinny"}, "int4": {"int4"}, "w4a8": set(), "w8a8": set()}[quantization]
     if hasattr(native, "int8_x16_linear") and quantization in ("int8", "int4"):
         native_kinds.add(f"{quantization}_x16")
+    if hasattr(native, "int8_digits_linear") and quantization == "int8":
+        native_kinds.add("int8_digits")
     assert kinds == native_kinds | {"call"}
 
 

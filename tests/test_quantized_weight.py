@@ -121,3 +121,97 @@ def test_native_x16_kernel_refuses_mismatched_shapes(native):
     for streams in (0, 5):
         with pytest.raises(RuntimeError, match=f"streams must be 1 to 4, got {streams}"):
             native.int8_x16_linear(torch.ones(1, 40), weight.qweight, weight.scale, None, streams)
+
+
+def x_digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as int8_digits_linear holds it (services/kernels/x_digits.h): (X [M, K] integers, u [M]) in float64,
+    X = round(x / u) (halves to even), u = 2^-14 times the least power of two p (>= 2^-100) with 127 p >= max |x|."""
+    units = []
+    for amax in x.float().abs().amax(dim=1).tolist():
+        p = 2.0 ** -100
+        while 127 * p < amax:
+            p *= 2
+        units.append(p * 2.0 ** -14 if amax > 0 else 1.0)
+    u = torch.tensor(units, dtype=torch.float64)
+    return torch.round(x.double() / u[:, None]), u
+
+
+def digits_reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What int8_digits_linear computes: the exact integer dot D = X . q, then float32(D) * u * scale (+ bias), rounded
+    once to x's dtype."""
+    X, u = x_digits(x)
+    D = X @ weight.qweight.double().t()  # integers below 2^53: exact
+    y = D.float() * u.float()[:, None] * weight.scale
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def digits_native(native):
+    if not hasattr(native, "int8_digits_linear"):
+        pytest.skip("int8_digits_linear is built only where the CPU has AVX512-VNNI or AVX2")
+    return native.int8_digits_linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,out_features,in_features", X16_SHAPES + [(9, 70, 333), (2, 3, 64)])
+def test_native_digits_kernel_is_its_definition(native, dtype, rows, out_features, in_features):
+    kernel = digits_native(native)
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    weight = Int8Weight.quantize(torch.randn(out_features, in_features, generator=g))
+    x = x16_case(rows, in_features, g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    for b in (None, bias):
+        got = kernel(x, weight.qweight, weight.scale, b)
+        assert got.dtype == dtype and got.shape == (rows, out_features)
+        assert torch.equal(got, digits_reference(x, weight, b))
+    # x is off by at most half its unit: the product by at most half a unit times the weights' magnitudes
+    full = F.linear(x.double(), weight.dequantize(torch.float64), bias.double())
+    X, u = x_digits(x)
+    assert bool(((X * u[:, None] - x.double()).abs() <= u[:, None] / 2).all())
+    if dtype == torch.float32:
+        bound = 0.5 * u[:, None] * (weight.qweight.double().abs() @ torch.ones(in_features, dtype=torch.float64))
+        assert bool(((got.double() - full).abs() <= bound * weight.scale.double() + 1e-5 * full.abs() + 1e-6).all())
+    # the plan offers it for int8 weights, few rows (w8a8 keeps its own product)
+    assert "native.digits" in candidates("int8", True, in_features, 8, native)
+    assert "native.digits" not in candidates("int8", True, in_features, 65, native)
+    assert "native.digits" not in candidates("w8a8", True, in_features, 8, native)
+
+
+def test_native_digits_hold_bf16_rows_exactly(native):
+    # every element within 2^12 of its row's largest: x is exact, so with float32 outputs and unit scales y is the
+    # exact product rounded once to float32
+    kernel = digits_native(native)
+    g = torch.Generator().manual_seed(5)
+    magnitudes = 2.0 ** (-12 * torch.rand(4, 300, generator=g))  # in (2^-12, 1]
+    signs = torch.randint(0, 2, (4, 300), generator=g) * 2 - 1
+    x = (magnitudes * signs * torch.tensor([[1.0], [3e5], [7e-20], [1e30]])).bfloat16().float()
+    q = torch.randint(-127, 128, (50, 300), generator=g, dtype=torch.int8)
+    weight = Int8Weight(q, torch.ones(50))
+    exact = (x.double() @ q.double().t()).float()
+    assert torch.equal(kernel(x, weight.qweight, weight.scale, None), exact)
+
+
+def test_native_digits_rows_with_an_infinity_or_a_nan_give_nans(native):
+    kernel = digits_native(native)
+    g = torch.Generator().manual_seed(6)
+    weight = Int8Weight.quantize(torch.randn(20, 100, generator=g))
+    x = torch.randn(4, 100, generator=g)
+    x[1, 7], x[2, 99], x[3, 40] = float("inf"), float("nan"), -float("inf")  # 99: past the whole vectors
+    got = kernel(x, weight.qweight, weight.scale, None)
+    assert got[1:].isnan().all() and torch.equal(got[0], kernel(x[:1], weight.qweight, weight.scale, None)[0])
+    assert not got[0].isnan().any()
+
+
+def test_native_digits_kernel_refuses_mismatched_shapes(native):
+    kernel = digits_native(native)
+    weight = Int8Weight.quantize(torch.ones(3, 40))
+    with pytest.raises(RuntimeError, match="x and w must share K, 1 to 65,536 columns"):
+        kernel(torch.ones(1, 41), weight.qweight, weight.scale, None)
+    with pytest.raises(RuntimeError, match="x and w must share K, 1 to 65,536 columns"):
+        wide = Int8Weight.quantize(torch.ones(1, 65537))
+        kernel(torch.ones(1, 65537), wide.qweight, wide.scale, None)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous float32"):
+        kernel(torch.ones(1, 40), weight.qweight, weight.scale.half(), None)
+    with pytest.raises(RuntimeError, match="w must be a contiguous CPU int8"):
+        kernel(torch.ones(1, 40), weight.qweight.float(), weight.scale, None)
+    with pytest.raises(RuntimeError, match="bias must have N elements"):
+        kernel(torch.ones(1, 40), weight.qweight, weight.scale, torch.ones(4))

@@ -36,6 +36,8 @@ bool set_prefill_attention_tiles(bool on);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_digits_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                                 const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_panel_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
@@ -114,6 +116,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 per 32-column group (w4a8_candidates.py), the products exact in int32 (vpdpbusd on AVX512-VNNI CPUs, "
         "vpmaddubsw on AVX2 ones), scaled per group",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("bias"));
+  m.def("int8_digits_linear", &int8_digits_linear,
+        "y[M, N] = x @ (w * scale)^T (+ bias[N]), weight-only int8: x in 21-bit fixed point per row as three int8 "
+        "digit rows (x_digits.h), exact int32 dots by w8a8's register tiles (vpdpbusd on AVX512-VNNI CPUs, "
+        "vpmaddubsw on AVX2 ones), joined in int64, then float32",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
   m.def("w8a8_linear", &w8a8_linear,
         "y[M, N] = x_q[M, K] @ (w * scale)^T (+ bias[N]), x rounded to int8 per row, the products exact in int32 "
         "(vpdpbusd on AVX512-VNNI CPUs, vpmaddubsw on AVX2 ones): linear_candidates._int8_dynamic_mm bit for bit",

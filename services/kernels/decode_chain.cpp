@@ -40,6 +40,11 @@ torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packe
 torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                               const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
 #endif
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define PDSERVE_INT8_DIGITS
+torch::Tensor int8_digits_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                                 const c10::optional<torch::Tensor>& bias);
+#endif
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                      int64_t block_size, double scale);
@@ -57,6 +62,9 @@ ChainProduct::ChainProduct(std::string name, std::vector<c10::optional<torch::Te
   else if (name == "int8_x16") kernel = Kernel::kInt8X16, want_tensors = 2;
   else if (name == "int4_x16") kernel = Kernel::kInt4X16, want_tensors = 3;
 #endif
+#if defined(PDSERVE_INT8_DIGITS)
+  else if (name == "int8_digits") kernel = Kernel::kInt8Digits, want_tensors = 2, want_options = 0;
+#endif
   else if (name == "call") kernel = Kernel::kCall, want_options = 0;
   else TORCH_CHECK(false, "no chain kernel named ", name, " in this build");
   TORCH_CHECK(tensors.size() == want_tensors && options.size() == want_options, name, " takes ", want_tensors,
@@ -73,6 +81,9 @@ torch::Tensor ChainProduct::operator()(const torch::Tensor& x) const {
 #if defined(PDSERVE_X16_KERNELS)
     case Kernel::kInt8X16: return int8_x16_linear(x, *tensors[0], *tensors[1], bias, options[0], options[1]);
     case Kernel::kInt4X16: return int4_x16_linear(x, *tensors[0], *tensors[1], *tensors[2], bias, options[0], options[1]);
+#endif
+#if defined(PDSERVE_INT8_DIGITS)
+    case Kernel::kInt8Digits: return int8_digits_linear(x, *tensors[0], *tensors[1], bias);
 #endif
     default: {
       py::gil_scoped_acquire python;  // run() let go of it

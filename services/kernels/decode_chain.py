@@ -49,6 +49,8 @@ def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> 
         return "skinny", [values, scale], [int(v) for v in SKINNY_VARIANTS[name]]
     if scale is not None and (options := _parts_options(name, "native.x16")) is not None:
         return "int8_x16", [values, scale], options
+    if scale is not None and name == "native.digits":
+        return "int8_digits", [values, scale], []
     return "call", [], []
 
 

@@ -216,6 +216,9 @@ def _format_candidates(weight_format: str, on_cpu: bool, in_features: int, max_r
             # built on AVX2 CPUs: x as int16 per 32-column group, integer multiply-adds (int4's likewise)
             for streams, nt in X16_VARIANTS:
                 found[parts_name("native.x16", streams, nt)] = _native_int8_x16(native.int8_x16_linear, streams, nt)
+        if on_cpu and native is not None and max_rows <= 64 and hasattr(native, "int8_digits_linear"):
+            # x in 21-bit fixed point as three int8 rows, w8a8's exact int8 dot tiles (int8_digits_linear.cpp)
+            found["native.digits"] = _native_tiled(native.int8_digits_linear)
     else:
         found = {"torch.linear": _torch_linear}
         if on_cpu and max_rows == 1:

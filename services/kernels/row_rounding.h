@@ -47,10 +47,9 @@ inline __m256i round_lanes(__m256 v, __m256 s, int8_t* q) {  // as above, into q
 inline __m256i add_ints(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
 #endif
 
-// Row m of x as the legend rounds it, into q [Kp]; returns xs and sets *sum. The division as torch's (exact, not by
-// a reciprocal); values past the last whole vector in scalar code (nearbyint: halves to even).
+// max_k |x[k]| of a row of K, as float32 (a NaN in the row may or may not survive the max).
 template <typename T>
-float round_row(const T* x, int64_t K, int8_t* q, int32_t* sum) {
+float row_amax(const T* x, int64_t K) {
   using V = FloatVec;
   constexpr int64_t L = V::kLanes;
   const int64_t whole = K / L * L;
@@ -61,7 +60,17 @@ float round_row(const T* x, int64_t K, int8_t* q, int32_t* sum) {
   float amax = 0.f;
   for (int64_t l = 0; l < L; ++l) amax = std::max(amax, lanes[l]);
   for (int64_t k = whole; k < K; ++k) amax = std::max(amax, std::fabs(scalar_to_float(x[k])));
-  const float s = std::max(amax, 1e-30f) / 127.f;
+  return amax;
+}
+
+// Row m of x as the legend rounds it, into q [Kp]; returns xs and sets *sum. The division as torch's (exact, not by
+// a reciprocal); values past the last whole vector in scalar code (nearbyint: halves to even).
+template <typename T>
+float round_row(const T* x, int64_t K, int8_t* q, int32_t* sum) {
+  using V = FloatVec;
+  constexpr int64_t L = V::kLanes;
+  const int64_t whole = K / L * L;
+  const float s = std::max(row_amax(x, K), 1e-30f) / 127.f;
   IntVec total = IntVec{};
   for (int64_t k = 0; k < whole; k += L) total = add_ints(total, round_lanes(V::load(x + k), V::set1(s), q + k));
   alignas(64) int32_t ints[L];
