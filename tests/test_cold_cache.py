@@ -5,11 +5,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from services.int4_weight import Int4Weight
 from services.kernels import cold_cache
-from services.kernels.cold_cache import ColdCache, last_level_cache_bytes
+from services.kernels.cold_cache import ColdCache, last_level_cache_bytes, weight_tensors
 from services.kernels.kernel_plan import _fastest
+from services.quantized_weight import Int8Weight
 
 
 def write_cache(folder: Path, index: int, kind: str, size: str) -> None:
@@ -34,8 +37,10 @@ def test_a_cold_cache_only_where_the_weights_outgrow_it(monkeypatch):
     assert ColdCache.for_weights(1 << 20, torch.device("cpu")) is None  # a model that fits is read from the cache
     assert ColdCache.for_weights(8 << 20, torch.device("meta")) is None  # off the CPU: nothing to evict
     cold = ColdCache.for_weights((1 << 20) + 1, torch.device("cpu"))
-    assert cold is not None and cold.buffer.numel() * 4 == 2 << 20  # twice the cache
-    cold.evict()
+    assert cold is not None and cold.buffer.numel() * 4 == 2 << 20  # twice the cache, where nothing flushes
+    cold.evict(torch.ones(4))
+    flushing = ColdCache.for_weights((1 << 20) + 1, torch.device("cpu"), flush=lambda t: None)
+    assert flushing.buffer is None  # the weight's own lines flushed instead: no buffer
 
 
 def test_fastest_runs_the_eviction_before_every_timed_call():
@@ -66,6 +71,31 @@ def test_the_hot_set_is_read_around_each_timed_call(monkeypatch):
     reads = []
     monkeypatch.setattr(cold, "hot", type("Hot", (), {"sum": lambda self: reads.append("hot")})())
     monkeypatch.setattr(cold, "buffer", type("Big", (), {"sum": lambda self: reads.append("big")})())
-    cold.evict()
+    cold.evict(torch.ones(4))
     cold.reread()
     assert reads == ["big", "hot", "hot"]
+
+
+def test_eviction_flushes_every_tensor_of_the_weight():
+    flushed: list[torch.Tensor] = []
+    cold = ColdCache(1 << 20, flush=flushed.append)
+    weight = Int8Weight.quantize(torch.randn(8, 64))
+    cold.evict(weight)
+    assert [t.data_ptr() for t in flushed] == [weight.qweight.data_ptr(), weight.scale.data_ptr()]
+    int4 = Int4Weight.quantize(torch.randn(8, 64))
+    assert {t.data_ptr() for t in weight_tensors(int4)} == {int4.packed.data_ptr(), int4.scale.data_ptr(),
+                                                            int4.low.data_ptr()}
+    dense = torch.randn(3, 5)
+    assert weight_tensors(dense) == [dense]
+
+
+def test_native_flush_leaves_the_values(native):
+    if not hasattr(native, "flush_cache_lines"):
+        pytest.skip("flush_cache_lines is built on x86 CPUs only")
+    t = torch.randn(77001)[3:]  # its bytes start mid-line
+    before = t.clone()
+    native.flush_cache_lines(t)
+    native.flush_cache_lines(torch.empty(0))
+    assert torch.equal(t, before)
+    with pytest.raises(RuntimeError, match="a contiguous CPU tensor expected"):
+        native.flush_cache_lines(torch.randn(4, 6)[:, 1:])

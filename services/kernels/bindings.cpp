@@ -34,6 +34,9 @@ torch::Tensor amx_w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, co
 bool set_decode_attention_tiles(bool on);
 bool set_prefill_attention_tiles(bool on);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+#if defined(__x86_64__) || defined(__i386__)
+void flush_cache_lines(const torch::Tensor& t);
+#endif
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_digits_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
@@ -108,6 +111,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "w8a8_linear bit for bit (x rounded per row, int8 W, exact int32 products) with the products on the tile unit "
         "(tdpbssd; CPUs with AMX), K a multiple of 64",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+  m.def("flush_cache_lines", &flush_cache_lines,
+        "t's bytes flushed out of every cache level (clflushopt): a weight in memory, as a decode step reads it");
 #endif
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 logits [M, V], the rows over the threads");
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))

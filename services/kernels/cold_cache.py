@@ -5,7 +5,12 @@ after all the others: from memory. Timed alone and repeated, a weight of up to t
 from the cache instead, and the kernel that wins there (the one with the least arithmetic) need not win
 from memory (the one that keeps the most of W in flight): a 16384 x 2048 int8 product ran at 44 GB/s
 repeated against 23 GB/s in a cycle of 16 distinct weights (AMD EPYC Zen 3, 32 MiB L3; docs/kernels.md).
-So the kernel plan reads a buffer twice the cache's size before each timed call of a few-row product.
+So before each timed call of a few-row product the kernel plan flushes the weight's bytes out of every cache
+level (the native `flush_cache_lines`, clflushopt). Reading a buffer twice the cache's size instead, what the plan
+did first and still does where the native build is missing, evicts too little on a large adaptive L3: an Intel Xeon
+with 300 MB (family 6 model 207) kept much of a 16384 x 2048 int8 weight timed 7 times between reads of 600 MB, so
+a 4-stream kernel read it at 40 GB/s against a 32 GB/s read ceiling, won, and was 13% slower in the decode step
+than the kernel the flushed timing picks (int8 `1b` step 45.8 against 40.5 ms, alternated).
 
 A product also evicts: between two products a decode step's other operators (norms, attention, the
 interpreter) read their own data again, and whatever the product's stream pushed out of the caches comes
@@ -19,6 +24,8 @@ five weights, and in the step it won on all five (91.6 against 95.0 ms).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,24 +52,38 @@ def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/ca
 
 
 class ColdCache:
-    """`evict()` reads a float32 buffer twice the last-level cache's size, pushing out what a kernel read, then
-    reads the hot set; `reread()` reads the hot set again (timed with the kernel)."""
+    """`evict(weight)` pushes the weight's bytes out of the caches — flushed where `flush` (the native
+    `flush_cache_lines`) is given, else by reading a float32 buffer twice the last-level cache's size — then reads
+    the hot set; `reread()` reads the hot set again (timed with the kernel)."""
 
-    def __init__(self, cache_bytes: int) -> None:
-        self.buffer = torch.ones(2 * cache_bytes // 4)  # filled: every page mapped
+    def __init__(self, cache_bytes: int, flush: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.flush = flush
+        self.buffer = None if flush else torch.ones(2 * cache_bytes // 4)  # filled: every page mapped
         self.hot = torch.ones(HOT_BYTES // 4)
 
     @classmethod
-    def for_weights(cls, total_weight_bytes: int, device: torch.device) -> ColdCache | None:
+    def for_weights(cls, total_weight_bytes: int, device: torch.device,
+                    flush: Callable[[torch.Tensor], None] | None = None) -> ColdCache | None:
         """None where the engine's weights fit in the cache (a tiny model reads them from it) or off the CPU."""
         cache_bytes = last_level_cache_bytes()
         if device.type != "cpu" or total_weight_bytes <= cache_bytes:
             return None
-        return cls(cache_bytes)
+        return cls(cache_bytes, flush)
 
-    def evict(self) -> None:
-        self.buffer.sum()
+    def evict(self, weight: object) -> None:
+        if self.flush is None:
+            self.buffer.sum()
+        else:
+            for tensor in weight_tensors(weight):
+                self.flush(tensor)
         self.hot.sum()
 
     def reread(self) -> None:
         self.hot.sum()
+
+
+def weight_tensors(weight: object) -> list[torch.Tensor]:
+    """The tensors a product reads of `weight`: itself, or a quantized weight's fields (values, scales, offsets)."""
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    return [v for f in dataclasses.fields(weight) if isinstance(v := getattr(weight, f.name), torch.Tensor)]

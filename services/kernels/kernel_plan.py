@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 BUCKETS = ("1", "2-8", "9-64", "65+")
 PROBE_ROWS = (1, 4, 32, 128)  # the row count each bucket is timed at
 MAX_ROWS = (1, 8, 64, 1 << 62)
-TIMING = 2  # how candidates are timed (_fastest, cold_cache.py); a change re-measures every cached choice
+TIMING = 3  # how candidates are timed (_fastest, cold_cache.py); a change re-measures every cached choice
 
 
 def bucket_of(rows: int) -> int:
@@ -118,7 +118,8 @@ class KernelPlan:
         # oneDNN's packed copies are a second copy of a weight: offered only where all of them would fit
         packed = device.type == "cpu" and mode != "native" and fits(sum(w.nbytes for w in dense.values()))
         choices: dict[tuple, tuple[str, ...]] = {}
-        cold = ColdCache.for_weights(sum(w.nbytes for w in {id(w): w for w in weights}.values()), device)
+        cold = ColdCache.for_weights(sum(w.nbytes for w in {id(w): w for w in weights}.values()), device,
+                                     getattr(native, "flush_cache_lines", None))
         for weight in weights:
             key = weight_key(weight)
             if key in choices:
@@ -140,7 +141,8 @@ class KernelPlan:
                     # few rows read W from memory in the engine (cold): time them so; many rows are compute-bound
                     timed_cold = cold is not None and rows <= 64
                     name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows,
-                                    cold.evict if timed_cold else None, cold.reread if timed_cold else None)
+                                    partial(cold.evict, weight) if timed_cold else None,
+                                    cold.reread if timed_cold else None)
                     measured += len(found) > 1 and cache.put(entry, name)
                 names.append(name)
             choices[key] = tuple(names)
