@@ -34,13 +34,13 @@ def test_the_last_level_cache_is_the_largest_data_cache_sysfs_names(tmp_path):
 
 def test_a_cold_cache_only_where_the_weights_outgrow_it(monkeypatch):
     monkeypatch.setattr(cold_cache, "last_level_cache_bytes", lambda: 1 << 20)
-    assert ColdCache.for_weights(1 << 20, torch.device("cpu")) is None  # a model that fits is read from the cache
-    assert ColdCache.for_weights(8 << 20, torch.device("meta")) is None  # off the CPU: nothing to evict
-    cold = ColdCache.for_weights((1 << 20) + 1, torch.device("cpu"))
-    assert cold is not None and cold.buffer.numel() * 4 == 2 << 20  # twice the cache, where nothing flushes
-    cold.evict(torch.ones(4))
-    flushing = ColdCache.for_weights((1 << 20) + 1, torch.device("cpu"), flush=lambda t: None)
-    assert flushing.buffer is None  # the weight's own lines flushed instead: no buffer
+    fits = [torch.ones(1 << 18)]  # 1 MB: a model that fits is read from the cache
+    assert ColdCache.for_weights(fits, torch.device("cpu")) is None
+    outgrows = [torch.ones(1 << 18), Int8Weight.quantize(torch.ones(64, 64))]
+    assert ColdCache.for_weights(outgrows, torch.device("meta")) is None  # off the CPU: nothing to evict
+    cold = ColdCache.for_weights(outgrows, torch.device("cpu"))
+    assert cold is not None and cold.budget == cold_cache.SWEEP_CACHES << 20
+    cold.evict(outgrows[1])
 
 
 def test_fastest_runs_the_eviction_before_every_timed_call():
@@ -66,27 +66,42 @@ def test_fastest_times_the_reread_with_each_call(monkeypatch):
 
 def test_the_hot_set_is_read_around_each_timed_call(monkeypatch):
     monkeypatch.setattr(cold_cache, "last_level_cache_bytes", lambda: 1 << 20)
-    cold = ColdCache.for_weights(8 << 20, torch.device("cpu"))
+    cold = ColdCache.for_weights([torch.ones(1 << 19)], torch.device("cpu"))
     assert cold.hot.numel() * 4 == cold_cache.HOT_BYTES
     reads = []
     monkeypatch.setattr(cold, "hot", type("Hot", (), {"sum": lambda self: reads.append("hot")})())
-    monkeypatch.setattr(cold, "buffer", type("Big", (), {"sum": lambda self: reads.append("big")})())
+    monkeypatch.setattr(cold_cache, "read", lambda tensor: reads.append("other weights"))
     cold.evict(torch.ones(4))
     cold.reread()
-    assert reads == ["big", "hot", "hot"]
+    assert reads == ["other weights", "hot", "hot"]
 
 
-def test_eviction_flushes_every_tensor_of_the_weight():
-    flushed: list[torch.Tensor] = []
-    cold = ColdCache(1 << 20, flush=flushed.append)
-    weight = Int8Weight.quantize(torch.randn(8, 64))
-    cold.evict(weight)
-    assert [t.data_ptr() for t in flushed] == [weight.qweight.data_ptr(), weight.scale.data_ptr()]
+def test_eviction_reads_the_other_weights_then_flushes_its_own(monkeypatch):
+    # the sweep: the other weights from where the last one stopped, up to the budget, never the weight timed
+    flushed, read = [], []
+    monkeypatch.setattr(cold_cache, "read", lambda tensor: read.append(tensor.data_ptr()))
+    weights = [torch.ones(256 * k) for k in (1, 2, 3, 4)]  # 1, 2, 3 and 4 KB
+    quantized = Int8Weight.quantize(torch.randn(8, 64))
+    cold = ColdCache(1024, weights + [quantized], flush=flushed.append)
+    cold.budget = 5 << 10
+    at = [w.data_ptr() for w in weights]
+    cold.evict(quantized)
+    assert read == at[:3] and [t.data_ptr() for t in flushed] == [quantized.qweight.data_ptr(),
+                                                                 quantized.scale.data_ptr()]
+    read.clear()
+    cold.evict(weights[0])  # 4 KB, the quantized weight's 512 + 32 bytes, then around past its own to the 2 KB
+    assert read == [at[3], quantized.qweight.data_ptr(), quantized.scale.data_ptr(), at[1]]
     int4 = Int4Weight.quantize(torch.randn(8, 64))
     assert {t.data_ptr() for t in weight_tensors(int4)} == {int4.packed.data_ptr(), int4.scale.data_ptr(),
                                                             int4.low.data_ptr()}
     dense = torch.randn(3, 5)
     assert weight_tensors(dense) == [dense]
+
+
+def test_read_takes_any_weights_bytes():
+    for tensor in (torch.ones(7, dtype=torch.int8), torch.ones(5, 3, dtype=torch.bfloat16), torch.ones(1)[:0],
+                   torch.ones(9, dtype=torch.uint8)[1:]):
+        cold_cache.read(tensor)  # odd sizes, an empty tensor, bytes that start off a 4-byte boundary
 
 
 def test_native_flush_leaves_the_values(native):

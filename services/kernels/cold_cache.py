@@ -5,12 +5,12 @@ after all the others: from memory. Timed alone and repeated, a weight of up to t
 from the cache instead, and the kernel that wins there (the one with the least arithmetic) need not win
 from memory (the one that keeps the most of W in flight): a 16384 x 2048 int8 product ran at 44 GB/s
 repeated against 23 GB/s in a cycle of 16 distinct weights (AMD EPYC Zen 3, 32 MiB L3; docs/kernels.md).
-So before each timed call of a few-row product the kernel plan flushes the weight's bytes out of every cache
-level (the native `flush_cache_lines`, clflushopt). Reading a buffer twice the cache's size instead, what the plan
-did first and still does where the native build is missing, evicts too little on a large adaptive L3: an Intel Xeon
-with 300 MB (family 6 model 207) kept much of a 16384 x 2048 int8 weight timed 7 times between reads of 600 MB, so
-a 4-stream kernel read it at 40 GB/s against a 32 GB/s read ceiling, won, and was 13% slower in the decode step
-than the kernel the flushed timing picks (int8 `1b` step 45.8 against 40.5 ms, alternated).
+So before each timed call of a few-row product the kernel plan reads the model's other weights, as a step does, and
+flushes the weight's own bytes out of every cache level (the native `flush_cache_lines`, clflushopt). What it did
+first, reading a buffer twice the cache's size, evicted too little on a large adaptive L3: an Intel Xeon with 300 MB
+(family 6 model 207) kept much of a 16384 x 2048 int8 weight timed 7 times between reads of 600 MB, so a 4-stream
+kernel read it at 40 GB/s against a 32 GB/s read ceiling, won, and was 13% slower in the decode step than the
+kernel the flushed timing picks (the int8 `1b` step 45.8 against 40.5 ms, alternated).
 
 A product also evicts: between two products a decode step's other operators (norms, attention, the
 interpreter) read their own data again, and whatever the product's stream pushed out of the caches comes
@@ -32,6 +32,9 @@ import torch
 
 DEFAULT_LLC_BYTES = 32 << 20  # where sysfs does not say (not Linux)
 HOT_BYTES = 2 << 20  # what a decode step's other operators read between two products (see above)
+# the other weights read before each timed call, in last-level caches' worth (the weight timed is flushed): they push
+# out a kernel's own copy of it (oneDNN's packed one, which no flush can reach) and what else it left in the caches
+SWEEP_CACHES = 2
 SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs writes "32768K"
 
 
@@ -52,34 +55,54 @@ def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/ca
 
 
 class ColdCache:
-    """`evict(weight)` pushes the weight's bytes out of the caches — flushed where `flush` (the native
-    `flush_cache_lines`) is given, else by reading a float32 buffer twice the last-level cache's size — then reads
-    the hot set; `reread()` reads the hot set again (timed with the kernel)."""
+    """`evict(weight)` reads the model's other weights, SWEEP_CACHES times the last-level cache's size of them (or all,
+    where they are fewer) from where the last sweep stopped — as a decode step reads them between two uses of one
+    weight; a kernel's own copies of its weight (oneDNN's packed one) go out with them — then flushes the weight's own
+    bytes out of every cache level where `flush` (the native `flush_cache_lines`) is given, then reads the hot set;
+    `reread()` reads the hot set again (timed with the kernel)."""
 
-    def __init__(self, cache_bytes: int, flush: Callable[[torch.Tensor], None] | None = None) -> None:
+    def __init__(self, cache_bytes: int, weights: list, flush: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.sweep = list({t.data_ptr(): t for w in weights for t in weight_tensors(w)}.values())
+        self.budget = SWEEP_CACHES * cache_bytes
         self.flush = flush
-        self.buffer = None if flush else torch.ones(2 * cache_bytes // 4)  # filled: every page mapped
         self.hot = torch.ones(HOT_BYTES // 4)
+        self._next = 0  # where the next sweep starts
 
     @classmethod
-    def for_weights(cls, total_weight_bytes: int, device: torch.device,
+    def for_weights(cls, weights: list, device: torch.device,
                     flush: Callable[[torch.Tensor], None] | None = None) -> ColdCache | None:
         """None where the engine's weights fit in the cache (a tiny model reads them from it) or off the CPU."""
         cache_bytes = last_level_cache_bytes()
-        if device.type != "cpu" or total_weight_bytes <= cache_bytes:
+        if device.type != "cpu" or sum(t.nbytes for w in weights for t in weight_tensors(w)) <= cache_bytes:
             return None
-        return cls(cache_bytes, flush)
+        return cls(cache_bytes, weights, flush)
 
     def evict(self, weight: object) -> None:
-        if self.flush is None:
-            self.buffer.sum()
-        else:
+        own = {t.data_ptr() for t in weight_tensors(weight)}
+        swept = 0
+        for _ in range(len(self.sweep)):
+            tensor = self.sweep[self._next]
+            self._next = (self._next + 1) % len(self.sweep)
+            if tensor.data_ptr() not in own:
+                read(tensor)
+                swept += tensor.nbytes
+                if swept >= self.budget:
+                    break
+        if self.flush is not None:
             for tensor in weight_tensors(weight):
                 self.flush(tensor)
         self.hot.sum()
 
     def reread(self) -> None:
         self.hot.sum()
+
+
+def read(tensor: torch.Tensor) -> None:
+    """Every byte of a contiguous tensor read once, at the read ceiling's pace: as float32 where its bytes allow (torch
+    sums int8 at ~0.5 GB/s, float32 at ~28)."""
+    raw = tensor.reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 4 * 4
+    (raw[:whole].view(torch.float32) if raw.data_ptr() % 4 == 0 else raw).sum()
 
 
 def weight_tensors(weight: object) -> list[torch.Tensor]:

@@ -118,8 +118,7 @@ class KernelPlan:
         # oneDNN's packed copies are a second copy of a weight: offered only where all of them would fit
         packed = device.type == "cpu" and mode != "native" and fits(sum(w.nbytes for w in dense.values()))
         choices: dict[tuple, tuple[str, ...]] = {}
-        cold = ColdCache.for_weights(sum(w.nbytes for w in {id(w): w for w in weights}.values()), device,
-                                     getattr(native, "flush_cache_lines", None))
+        cold = ColdCache.for_weights(weights, device, getattr(native, "flush_cache_lines", None))
         for weight in weights:
             key = weight_key(weight)
             if key in choices:
