@@ -3,11 +3,11 @@
 //
 // Legend: t a contiguous CPU tensor: numel() * element_size() bytes from data_ptr(), one 64-byte line at a time.
 //
-// Why not read a buffer larger than the cache instead (what cold_cache.py did first, and does where this is not built):
-// on an Intel Xeon with a 300 MB L3 (family 6 model 207) a weight timed 7 times between reads of a 600 MB buffer kept
-// much of itself in the L3 — the cache keeps lines that are hit again and lets a stream that never is go — so a
-// 16384 x 2048 int8 product "read" 40 GB/s against a 32 GB/s read ceiling, and the kernel that won there lost by 13%
-// in the decode step. clflushopt is exact, takes ~4 ms for 32 MB against ~20 for the buffer, and needs no buffer.
+// Why: reading a buffer twice the cache's size instead (what cold_cache.py did first) evicts too little from a large
+// adaptive L3: on an Intel Xeon with 300 MB (family 6 model 207) a weight timed 7 times between reads of a 600 MB
+// buffer kept much of itself there — the cache keeps lines that are hit again and lets a stream that never is go — so
+// a 16384 x 2048 int8 product "read" 40 GB/s against a 32 GB/s read ceiling, and the kernel that won there lost by 13%
+// in the decode step. A flush is exact, and cheap: ~4 ms for 32 MB.
 
 #include <torch/extension.h>
 
