@@ -36,6 +36,8 @@ def test_a_cold_cache_only_where_the_weights_outgrow_it(monkeypatch):
     monkeypatch.setattr(cold_cache, "last_level_cache_bytes", lambda: 1 << 20)
     fits = [torch.ones(1 << 18)]  # 1 MB: a model that fits is read from the cache
     assert ColdCache.for_weights(fits, torch.device("cpu")) is None
+    tied = torch.ones(3 << 16)  # 768 KB listed twice (an embedding tied to lm_head): read once, so it fits
+    assert ColdCache.for_weights([tied, tied], torch.device("cpu")) is None
     outgrows = [torch.ones(1 << 18), Int8Weight.quantize(torch.ones(64, 64))]
     assert ColdCache.for_weights(outgrows, torch.device("meta")) is None  # off the CPU: nothing to evict
     cold = ColdCache.for_weights(outgrows, torch.device("cpu"))

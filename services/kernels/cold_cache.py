@@ -62,7 +62,7 @@ class ColdCache:
     `reread()` reads the hot set again (timed with the kernel)."""
 
     def __init__(self, cache_bytes: int, weights: list, flush: Callable[[torch.Tensor], None] | None = None) -> None:
-        self.sweep = list({t.data_ptr(): t for w in weights for t in weight_tensors(w)}.values())
+        self.sweep = unique_tensors(weights)
         self.budget = SWEEP_CACHES * cache_bytes
         self.flush = flush
         self.hot = torch.ones(HOT_BYTES // 4)
@@ -73,7 +73,7 @@ class ColdCache:
                     flush: Callable[[torch.Tensor], None] | None = None) -> ColdCache | None:
         """None where the engine's weights fit in the cache (a tiny model reads them from it) or off the CPU."""
         cache_bytes = last_level_cache_bytes()
-        if device.type != "cpu" or sum(t.nbytes for w in weights for t in weight_tensors(w)) <= cache_bytes:
+        if device.type != "cpu" or sum(t.nbytes for t in unique_tensors(weights)) <= cache_bytes:
             return None
         return cls(cache_bytes, weights, flush)
 
@@ -103,6 +103,11 @@ def read(tensor: torch.Tensor) -> None:
     raw = tensor.reshape(-1).view(torch.uint8)
     whole = raw.numel() // 4 * 4
     (raw[:whole].view(torch.float32) if raw.data_ptr() % 4 == 0 else raw).sum()
+
+
+def unique_tensors(weights: list) -> list[torch.Tensor]:
+    """Every tensor of `weights` once (a tied weight, or one listed twice, counts once)."""
+    return list({t.data_ptr(): t for w in weights for t in weight_tensors(w)}.values())
 
 
 def weight_tensors(weight: object) -> list[torch.Tensor]:
