@@ -204,9 +204,9 @@ def test_native_digits_rows_with_an_infinity_or_a_nan_give_nans(native):
 def test_native_digits_kernel_refuses_mismatched_shapes(native):
     kernel = digits_native(native)
     weight = Int8Weight.quantize(torch.ones(3, 40))
-    with pytest.raises(RuntimeError, match="x and w must share K, 1 to 65,536 columns"):
+    with pytest.raises(RuntimeError, match="x and w must share K"):
         kernel(torch.ones(1, 41), weight.qweight, weight.scale, None)
-    with pytest.raises(RuntimeError, match="x and w must share K, 1 to 65,536 columns"):
+    with pytest.raises(RuntimeError, match="K must be 1 to 65,536 columns"):
         wide = Int8Weight.quantize(torch.ones(1, 65537))
         kernel(torch.ones(1, 65537), wide.qweight, wide.scale, None)
     with pytest.raises(RuntimeError, match="scale must be a contiguous float32"):

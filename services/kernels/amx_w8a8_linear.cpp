@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8_product_args.h"
 #include "thread_chunks.h"
 #include "tile_state.h"
 #include "transpose16.h"
@@ -139,32 +140,19 @@ void product(const T* x, const int8_t* w, const float* scale, const T* bias, int
 torch::Tensor amx_w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                               const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(tile_state::granted(), "this process was not granted the CPU's tile state (AMX)");
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a CPU [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
-              "w must be a contiguous CPU int8 [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K > 0 && K % kStep == 0, "x and w must share K, a positive multiple of 64");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
-              "scale must be a contiguous float32 [N]");
-  const torch::Tensor xc = x.contiguous();
-  torch::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have N elements");
-    b = bias->to(xc.scalar_type()).contiguous();
-  }
-  torch::Tensor y = torch::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-  const int8_t* wv = w.data_ptr<int8_t>();
-  const float* sc = scale.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "amx_w8a8_linear", [&] {
+  const Int8ProductArgs a = int8_product_args(x, w, scale, bias);
+  TORCH_CHECK(a.K > 0 && a.K % kStep == 0, "K must be a positive multiple of 64");
+  if (a.M == 0 || a.N == 0) return a.y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.x.scalar_type(), "amx_w8a8_linear", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "x must be float32, bfloat16 or float16");
     } else {
-      product<scalar_t>(xc.data_ptr<scalar_t>(), wv, sc, b.defined() ? b.data_ptr<scalar_t>() : nullptr, M, N, K,
-                        y.data_ptr<scalar_t>());
+      product<scalar_t>(a.x.data_ptr<scalar_t>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                        a.bias.defined() ? a.bias.data_ptr<scalar_t>() : nullptr, a.M, a.N, a.K,
+                        a.y.data_ptr<scalar_t>());
     }
   });
-  return y;
+  return a.y;
 }
 
 #endif  // AMX-INT8

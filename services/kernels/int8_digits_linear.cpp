@@ -29,6 +29,7 @@
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 
 #include "int8_dot_tiles.h"  // tile, kMR, kNR, kStep, kOffset
+#include "int8_product_args.h"
 #include "x_digits.h"  // XDigits, digit_rows
 
 namespace {
@@ -81,30 +82,18 @@ void product(const T* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const
 // See the file's legend.
 torch::Tensor int8_digits_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                                  const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a CPU [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
-              "w must be a contiguous CPU int8 [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K > 0 && K <= 65536, "x and w must share K, 1 to 65,536 columns");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
-              "scale must be a contiguous float32 [N]");
-  const torch::Tensor xc = x.contiguous();
-  torch::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have N elements");
-    b = bias->to(xc.scalar_type()).contiguous();
-  }
-  torch::Tensor y = torch::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "int8_digits_linear", [&] {
+  const Int8ProductArgs a = int8_product_args(x, w, scale, bias);
+  TORCH_CHECK(a.K > 0 && a.K <= 65536, "K must be 1 to 65,536 columns (the dots stay in int32)");
+  if (a.M == 0 || a.N == 0) return a.y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.x.scalar_type(), "int8_digits_linear", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "x must be float32, bfloat16 or float16");
     } else {
-      product<scalar_t>(xc.data_ptr<scalar_t>(), M, K, w.data_ptr<int8_t>(), N, scale.data_ptr<float>(),
-                        b.defined() ? b.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>());
+      product<scalar_t>(a.x.data_ptr<scalar_t>(), a.M, a.K, w.data_ptr<int8_t>(), a.N, scale.data_ptr<float>(),
+                        a.bias.defined() ? a.bias.data_ptr<scalar_t>() : nullptr, a.y.data_ptr<scalar_t>());
     }
   });
-  return y;
+  return a.y;
 }
 
 #endif  // AVX512-VNNI or AVX2
