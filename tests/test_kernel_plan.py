@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.kernels import kernel_plan
+from services.kernels import cold_cache, kernel_plan
 from services.kernels.kernel_plan import BUCKETS, KernelPlan, bucket_of
 from services.kernels.linear_candidates import SKINNY_VARIANTS, candidates
 from services.kernels.native import build_key, cpu_model, load
@@ -105,6 +105,23 @@ def test_modes_and_the_cache(cache_dir, monkeypatch):
     assert again.prefill_choice == measured.prefill_choice
     host_entries = saved[next(key for key in saved if "native off" not in key)]
     assert host_entries["prefill attention H4 K2 Dh8 torch.float32"] == measured.prefill_choice
+
+
+def test_few_rows_are_timed_with_their_weight_out_of_the_caches(cache_dir, monkeypatch):
+    # weights larger than the last-level cache: before each timed call of 1 to 64 rows the weight timed is evicted
+    # (the others swept, its own lines flushed where the native build has flush_cache_lines); 65+ rows are timed warm
+    monkeypatch.setattr(kernel_plan.time, "process_time", iter(range(0, 10**6, 1000)).__next__)
+    monkeypatch.setattr(cold_cache, "last_level_cache_bytes", lambda: 1024)
+    evicted = []
+    evict = cold_cache.ColdCache.evict
+    monkeypatch.setattr(cold_cache.ColdCache, "evict",
+                        lambda self, weight: evicted.append((weight, self.flush)) or evict(self, weight))
+    given = weights()
+    plan = KernelPlan.choose(given, (4, 2, 8), torch.float32, torch.device("cpu"), "auto")
+    assert "measured" in plan.summary
+    assert {id(w) for w, _ in evicted} == {id(given[0]), id(given[1])}  # the first weight of each shape
+    flush = getattr(load(), "flush_cache_lines", None)
+    assert all(f is flush for _, f in evicted)
 
 
 def test_a_busy_hosts_timings_are_used_but_not_kept(cache_dir, monkeypatch):
