@@ -69,7 +69,7 @@ constexpr int32_t kOffset = 128;  // W's bytes were read as w + 128
 constexpr int64_t kStep = 32, kNR = 2;
 
 // The 8 sums of v[0..7] (8 int32 lanes each), in order.
-inline __m256i sum8(__m256i v[8]) {
+inline __m256i lane_sums8(__m256i v[8]) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
   const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
@@ -104,7 +104,7 @@ inline void tile(const int8_t* xq, int64_t Kp, const int8_t* const w[kNR], int64
       }
     }
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots), sum8(acc));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots), lane_sums8(acc));
 }
 constexpr int32_t kOffset = 0;
 #endif

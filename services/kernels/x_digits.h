@@ -85,7 +85,7 @@ inline void split_lanes(__m256i X, int8_t* q0, int8_t* q1, int8_t* q2, __m256i s
   }
 }
 inline __m256i fixed_lanes(__m256 v, __m256 inv) { return _mm256_cvtps_epi32(_mm256_mul_ps(v, inv)); }
-inline bool finite_lanes(__m256 zeroed) { return ::sum8(zeroed) == 0.f; }  // vec_load.h's float sum
+inline bool finite_lanes(__m256 zeroed) { return sum8(zeroed) == 0.f; }
 #endif
 
 // Row x [K] as the legend's digits, into q0, q1, q2 [Kp] (zeroed by the caller) and sums [3]; returns its unit.
