@@ -18,6 +18,7 @@ from services.attention import AttentionMetadata, torch_decode_attention
 from services.batch_buckets import capture_widths
 from services.cuda_graph_runner import Capture, DecodeGraphs, capture_cuda_graph
 from services.device_kv import DeviceKV
+from services.heap_policy import keep_freed_memory
 from services.kv_payload import KVPayload
 from services.model import LlamaModel
 from services.model_config import ModelConfig
@@ -65,6 +66,8 @@ class ModelRunner:
         self.kv_cache = in_huge_pages if in_huge_pages is not None else torch.zeros(shape, dtype=dtype, device=device)
         self.kv_slots = self.kv_cache.view(config.num_layers, 2, (num_blocks + 1) * block_size,
                                            num_kv_heads, config.head_dim)  # [L, 2, S, K, Dh]
+        if device.type == "cpu":  # after the weights and the pool: only the steps' blocks are kept for reuse
+            keep_freed_memory()
         self.max_model_len = max_model_len
         self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs: decode steps from CUDA graphs
         # Exported KV stays on this device as a DeviceKV (for Ray Direct Transport), not a host KVPayload
