@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,6 +172,18 @@ def test_load_converts_dtype_and_ignores_extras(folder):
     assert {t.dtype for t in loaded.values()} == {torch.bfloat16}
     tied = dataclasses.replace(config, tie_word_embeddings=True)  # lm_head present but unused
     assert "lm_head.weight" not in load_weights(folder, tied, torch.float32)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="no /proc/self/maps here")
+def test_loaded_weights_leave_no_file_mapped(tiny):
+    """The tensors are copies, in the file's own dtype too: none keeps the safetensors file mapped (a view of it
+    kept the whole mapping resident in the worker)."""
+    config = ModelConfig.from_folder(tiny)
+    loaded = load_weights(tiny, config, torch.float32)  # the file's dtype: a view would do, a copy is made
+    file = str((tiny / "model.safetensors").resolve())
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(file)]
+    assert mapped == [] and len(loaded) == len(expected_shapes(config))
+    assert torch.equal(loaded["lm_head.weight"], load_file(tiny / "model.safetensors")["lm_head.weight"])
 
 
 @needs_transformers
