@@ -176,18 +176,20 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
     const int8_t* wv = w.data_ptr<int8_t>();
     product(xb, M, N, K, sc, b, out, [&](int64_t n0, const auto& run) {
       alignas(64) at::BFloat16 converted[2 * kNB * kStep];
-      if (n0 + kNB <= N) return run(Int8Rows{wv + n0 * K, K, K / kStep, converted});
+      const int8_t* next = n0 + 2 * kNB <= N ? wv + (n0 + kNB) * K : nullptr;
+      if (n0 + kNB <= N) return run(Int8Rows{wv + n0 * K, K, K / kStep, converted, next});
       std::vector<int8_t> copy(kNB * K, 0);  // the last block's rows past N: zeros
       std::memcpy(copy.data(), wv + n0 * K, (N - n0) * K);
-      run(Int8Rows{copy.data(), K, K / kStep, converted});
+      run(Int8Rows{copy.data(), K, K / kStep, converted, nullptr});
     });
   } else {
     const at::BFloat16* wv = w.data_ptr<at::BFloat16>();
     product(xb, M, N, K, sc, b, out, [&](int64_t n0, const auto& run) {
-      if (n0 + kNB <= N) return run(Bf16Rows{wv + n0 * K, K});
+      const at::BFloat16* next = n0 + 2 * kNB <= N ? wv + (n0 + kNB) * K : nullptr;
+      if (n0 + kNB <= N) return run(Bf16Rows{wv + n0 * K, K, next});
       std::vector<at::BFloat16> copy(kNB * K, at::BFloat16(0.f));  // the last block's rows past N: zeros
       std::memcpy(copy.data(), wv + n0 * K, (N - n0) * K * sizeof(at::BFloat16));
-      run(Bf16Rows{copy.data(), K});
+      run(Bf16Rows{copy.data(), K, nullptr});
     });
   }
   return y;

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "int4_block.h"
+#include "rows_ahead.h"
 
 namespace amx_rows {
 
@@ -20,9 +21,11 @@ constexpr int64_t kNB = 32, kStep = 32, kAhead = 4;
 struct Bf16Rows {
   const at::BFloat16* w;  // the block's first row
   int64_t K;
+  const at::BFloat16* next;  // the next block's first row, nullptr where none (rows_ahead.h)
   void load(int64_t s) const {
     const at::BFloat16* at = w + s * kStep;
-    for (int64_t r = 0; r < kNB; ++r) __builtin_prefetch(at + r * K + kAhead * kStep, 0, 3);
+    if (const at::BFloat16* ahead = rows_ahead(w, next, s, kAhead, K / kStep, kStep))
+      for (int64_t r = 0; r < kNB; ++r) __builtin_prefetch(ahead + r * K, 0, 3);
     _tile_loadd(4, at, K * 2);
     _tile_loadd(5, at + 16 * K, K * 2);
   }
@@ -36,12 +39,14 @@ struct Int8Rows {
   const int8_t* w;  // the block's first row
   int64_t K, S;
   at::BFloat16* converted;  // [2, 32, 32]: steps alternate halves
+  const int8_t* next;  // the next block's first row, nullptr where none (rows_ahead.h)
 
   void convert(int64_t s) const {
     const int8_t* at = w + s * kStep;
     at::BFloat16* out = converted + s % 2 * kNB * kStep;
+    const int8_t* ahead = s % 2 == 0 ? rows_ahead(w, next, s, kAhead, S, kStep) : nullptr;  // a line: two steps
     for (int64_t r = 0; r < kNB; ++r) {
-      if (s % 2 == 0) __builtin_prefetch(at + r * K + kAhead * kStep, 0, 3);
+      if (ahead) __builtin_prefetch(ahead + r * K, 0, 3);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + r * K));
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
       const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "int8_product_args.h"
+#include "rows_ahead.h"
 #include "thread_chunks.h"
 #include "tile_state.h"
 #include "transpose16.h"
@@ -36,15 +37,18 @@ namespace {
 
 constexpr int64_t kNB = 32, kStep = 64, kAhead = 4;
 
-// sums [4][16][16] int32 of a block's 32 W rows (w, rows K bytes apart) against x tiles t0 and (if two) t0 + 1
-void pass(const int8_t* w, int64_t K, const int32_t* xb, int64_t Mt, int64_t t0, bool two, int32_t* sums) {
+// sums [4][16][16] int32 of a block's 32 W rows (w, rows K bytes apart) against x tiles t0 and (if two) t0 + 1;
+// next: the next block's first row, nullptr where none (rows_ahead.h)
+void pass(const int8_t* w, const int8_t* next, int64_t K, const int32_t* xb, int64_t Mt, int64_t t0, bool two,
+          int32_t* sums) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < K / kStep; ++s) {
     const int8_t* at = w + s * kStep;
-    for (int64_t r = 0; r < kNB; ++r) __builtin_prefetch(at + r * K + kAhead * kStep, 0, 3);
+    if (const int8_t* ahead = rows_ahead(w, next, s, kAhead, K / kStep, kStep))
+      for (int64_t r = 0; r < kNB; ++r) __builtin_prefetch(ahead + r * K, 0, 3);
     _tile_loadd(4, at, K);
     _tile_loadd(5, at + 16 * K, K);
     const int32_t* b = xb + (s * Mt + t0) * 256;
@@ -117,6 +121,7 @@ void product(const T* x, const int8_t* w, const float* scale, const T* bias, int
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kNB;
       const int8_t* rows = w + n0 * K;
+      const int8_t* next = n0 + 2 * kNB <= N ? rows + kNB * K : nullptr;
       if (n0 + kNB > N) {
         last.assign(kNB * K, 0);
         std::memcpy(last.data(), rows, (N - n0) * K);
@@ -124,7 +129,7 @@ void product(const T* x, const int8_t* w, const float* scale, const T* bias, int
       }
       for (int64_t t0 = 0; t0 < Mt; t0 += 2) {
         const bool two = t0 + 1 < Mt;
-        pass(rows, K, xb.data(), Mt, t0, two, sums);
+        pass(rows, next, K, xb.data(), Mt, t0, two, sums);
         for (int64_t a = 0; a < 2 && n0 + 16 * a < N; ++a)
           for (int64_t b = 0; b < (two ? 2 : 1); ++b)
             store(sums + (2 * a + b) * 256, t0 + b, M, n0 + 16 * a, N, r.s.data(), scale, bias, y);
