@@ -19,6 +19,7 @@ from benchmarks.model_folders import preset_folder
 from benchmarks.report import format_table
 from services import Engine, SamplingParams
 from services.engine_config import QUANTIZATIONS
+from services.model_config import ModelConfig
 from services.scheduler import ScheduledBatch
 
 
@@ -49,6 +50,9 @@ def profile_batch(engine: Engine, batch: int, args) -> list:
         engine.step()
     for _ in range(3):
         engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise SystemExit(f"batch {batch}: only {len(engine.scheduler.running)} sequences run at once: the KV pool or "
+                         "max_num_seqs is too small for the batch asked")
     runner, device = engine.runner, engine.device
     seqs = list(engine.scheduler.running)
     step_ms = _median_ms(engine.step, device, args.repeats)
@@ -79,6 +83,15 @@ def profile_batch(engine: Engine, batch: int, args) -> list:
     return [batch, f"{step_ms:.2f}", f"{forward_ms:.2f}", f"{issue_ms:.2f}", f"{step_ms - forward_ms:.2f}"]
 
 
+def kv_memory_gb(folder, args) -> float:
+    """A pool that holds the largest batch's contexts and every step profiled after them (a smaller one ran fewer
+    sequences than asked: at 32 x 1,024 tokens of `1b` the old fixed 1 GB held ~25)."""
+    c = ModelConfig.from_folder(folder)
+    tokens = max(args.batch) * (args.context + 3 * args.repeats + 16)
+    per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * (4 if args.dtype == "float32" else 2)
+    return max(1.0, 1.1 * tokens * per_token / 1e9)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -91,9 +104,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="operators listed (default 12)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weights int8 / int4 / w8a8")
     args = parser.parse_args()
-    engine = Engine(model=preset_folder(args.preset), dtype=args.dtype, device=args.device, num_threads=args.threads,
-                    max_num_seqs=max(args.batch), kv_cache_memory_gb=1.0, max_model_len=args.context + 1024,
-                    quantization=args.quantization)
+    folder = preset_folder(args.preset)
+    engine = Engine(model=folder, dtype=args.dtype, device=args.device, num_threads=args.threads,
+                    max_num_seqs=max(args.batch), kv_cache_memory_gb=kv_memory_gb(folder, args),
+                    max_model_len=args.context + 1024, quantization=args.quantization)
     rows = [profile_batch(engine, b, args) for b in args.batch]
     print(f"\n{args.preset}, {args.dtype} {args.quantization or ''}, device {engine.device}; decode steps, medians of {args.repeats} (ms)")
     print(format_table(["batch", "engine.step", "forward", "issue forward", "step - forward"], rows))
