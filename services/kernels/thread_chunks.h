@@ -33,9 +33,9 @@ void parallel_chunks(int64_t count, const Body& body) {
   if (count <= 0) return;
   const int64_t finest = std::max<int64_t>(1, count / (kFinest * threads));
   std::vector<int64_t> bounds{0};  // ~15 chunks a thread: 11 shrinking to 1/16 of the whole left, 4 of the finest
-  for (int64_t at = 0; at < count;) {
-    at += std::min(count - at, std::max(finest, (count - at) / (kShare * threads)));
-    bounds.push_back(at);
+  for (int64_t done = 0; done < count;) {
+    done += std::min(count - done, std::max(finest, (count - done) / (kShare * threads)));
+    bounds.push_back(done);
   }
   const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   std::atomic<int64_t> next_chunk{0};
