@@ -29,10 +29,15 @@ _applied: bool | None = None  # once per process
 
 
 def keep_freed_memory() -> bool:
-    """Large blocks from the heap (no mmap), the heap not trimmed below 2 GB of free top; whether that holds now."""
+    """Large blocks from the heap (no mmap), the heap not trimmed below 2 GB of free top; whether that holds now.
+    Each call (each engine, once built) also hands back what is free at that moment: a later engine's construction
+    in the same process — its quantization's and kernel plan's temporaries — would otherwise stay with the process
+    (three `1b` engines, bf16, int8 and w8a8, in one process: 18.1 GB resident against 13.6 without the policy)."""
     global _applied
     if _applied is None:
         _applied = _apply()
+    if _applied:
+        ctypes.CDLL(None).malloc_trim(0)  # every free page back, in the heap's middle too (madvise)
     return _applied
 
 

@@ -63,6 +63,33 @@ def test_switched_off_keeps_glibc_mapping_each_block():
     assert result["faults"] >= PAGES  # a fresh mapping: every page faults in (12,289 here)
 
 
+TRIM_PROBE = f"""
+import json, torch
+from services.heap_policy import keep_freed_memory
+
+def resident_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
+
+keep_freed_memory()
+block = torch.ones({BLOCK}, dtype=torch.uint8)
+held = resident_mb()
+del block
+kept = resident_mb()
+keep_freed_memory()  # an engine built: what is free goes back
+print(json.dumps({{"held": held, "kept": kept, "after": resident_mb()}}))
+"""
+
+
+def test_what_is_free_when_an_engine_is_built_goes_back():
+    done = subprocess.run([sys.executable, "-c", TRIM_PROBE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    mb = json.loads(done.stdout.strip().splitlines()[-1])
+    block_mb = BLOCK >> 20
+    assert mb["held"] - mb["kept"] < block_mb // 4  # freed, the block's pages stay with the process
+    assert mb["kept"] - mb["after"] > block_mb * 3 // 4  # then handed back by the next engine's call
+
+
 def test_a_bad_setting_is_refused(monkeypatch):
     import services.heap_policy as heap_policy
 
