@@ -7,8 +7,8 @@ kernel's fault handling and page clearing. With large blocks taken from the heap
 reuses the pages the ones before it freed: 1,024-token prefills of `1b` took a median 1.08 / 1.17 s against 1.31 /
 1.26 s (two alternated pairs of 5), and a mixed run of 40 requests 38.6 s against 43.7 s (Intel Xeon, family 6 model
 207, 2 threads). The cost: freed memory stays with the process, reused for later blocks — that run ended 165 MB larger
-(8.55 GB resident against 8.38). `PDSERVE_KEEP_FREED_MEMORY=0` keeps glibc's defaults; elsewhere than glibc (musl,
-macOS) nothing changes.
+(8.55 GB resident against 8.38) — except what is free once an engine is built, handed back then.
+`PDSERVE_KEEP_FREED_MEMORY=0` keeps glibc's defaults; elsewhere than glibc (musl, macOS) nothing changes.
 """
 
 from __future__ import annotations
