@@ -26,6 +26,7 @@ M_MMAP_MAX = -4
 NEVER_TRIM = 2**31 - 1  # mallopt takes an int: the largest free top of the heap kept (2 GB)
 
 _applied: bool | None = None  # once per process
+_LIBC = ctypes.CDLL(None)  # the process's own C library (glibc: mallopt, malloc_trim)
 
 
 def keep_freed_memory() -> bool:
@@ -37,7 +38,7 @@ def keep_freed_memory() -> bool:
     if _applied is None:
         _applied = _apply()
     if _applied:
-        ctypes.CDLL(None).malloc_trim(0)  # every free page back, in the heap's middle too (madvise)
+        _LIBC.malloc_trim(0)  # every free page back, in the heap's middle too (madvise)
     return _applied
 
 
@@ -47,12 +48,11 @@ def _apply() -> bool:
         raise ValueError(f"{ENV} must be 0 or 1, got {setting!r}")
     if setting == "0":
         return False
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+    if not hasattr(_LIBC, "gnu_get_libc_version") or not hasattr(_LIBC, "mallopt"):
         log.info("the C library is not glibc: its handling of large blocks is left as it is")
         return False
     # mallopt returns 1 on success; both or neither (a half-applied policy would only trim less)
-    if libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) != 1:
+    if _LIBC.mallopt(M_MMAP_MAX, 0) != 1 or _LIBC.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) != 1:
         log.warning("glibc refused mallopt: large blocks stay mapped and unmapped per allocation")
         return False
     return True

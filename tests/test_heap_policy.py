@@ -1,6 +1,6 @@
 """The heap policy: with it a large block freed is reused for the next large block with no page faults; without it
-(glibc's defaults: a fresh mapping per large block) every page of the next block faults in. Each case in its own process: the
-policy is process-wide."""
+(glibc's defaults: a fresh mapping per large block) every page of the next block faults in. Each case in its own
+process: the policy is process-wide."""
 
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ print(json.dumps({{"applied": applied, "again": keep_freed_memory(), "faults": m
 """
 
 
-def probe(setting: str | None) -> dict:
+def probe(setting: str | None, code: str = PROBE) -> dict:
+    """`code` run in a fresh process (the policy set by `setting`, else its default): the JSON it printed last."""
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_KEEP_FREED_MEMORY"}
     if setting is not None:
         env["PDSERVE_KEEP_FREED_MEMORY"] = setting
-    done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -82,9 +83,7 @@ print(json.dumps({{"held": held, "kept": kept, "after": resident_mb()}}))
 
 
 def test_what_is_free_when_an_engine_is_built_goes_back():
-    done = subprocess.run([sys.executable, "-c", TRIM_PROBE], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    mb = json.loads(done.stdout.strip().splitlines()[-1])
+    mb = probe(None, TRIM_PROBE)
     block_mb = BLOCK >> 20
     assert mb["held"] - mb["kept"] < block_mb // 4  # freed, the block's pages stay with the process
     assert mb["kept"] - mb["after"] > block_mb * 3 // 4  # then handed back by the next engine's call
