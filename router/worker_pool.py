@@ -19,6 +19,7 @@ import ray
 from router.errors import APIError
 
 log = logging.getLogger("pdserve.router")
+MAX_MISSED_POLLS = 3  # stats polls in a row a worker may leave unanswered (timed out) before it counts as dead
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class WorkerHandle:
     outstanding: int = 0  # prompt tokens (prefill) or sequences (decode) in flight from this router
     free_kv_blocks: int = 0
     alive: bool = True
+    missed_polls: int = 0  # stats polls in a row it did not answer in time (a busy host, or hung)
     draining: bool = False  # about to be removed: chosen for nothing new
     # What it last reported for all routers (`outstanding` is this router's share, up to date).
     reported_requests: int = 0  # running and waiting
@@ -141,18 +143,23 @@ class WorkerPool:
             worker.outstanding -= load
 
     async def poll(self, timeout: float = 2.0) -> list:
-        """Every worker's `stats()`; refreshes health and free KV. A worker that does not answer is
-        marked dead until it does. One call per poll: a report carries the samples (KV transfers,
+        """Every worker's `stats()`; refreshes health and free KV. A worker whose actor is dead, or that
+        leaves MAX_MISSED_POLLS polls in a row unanswered for `timeout` seconds, is marked dead until
+        it answers again. One call per poll: a report carries the samples (KV transfers,
         queue times) gathered since the previous one, so each must be recorded."""
         async def one(worker: WorkerHandle):
             try:
                 stats = await asyncio.wait_for(worker.actor.stats.remote(self.reader_id), timeout)
-            except Exception:  # a dead actor, a timeout: either way it cannot take requests now
-                if worker.alive:
-                    log.warning("worker %s is not answering", worker.name)
-                worker.alive = False
+            except Exception as error:
+                # A dead actor cannot take requests; a slow answer may be a busy host, so only
+                # MAX_MISSED_POLLS in a row mark it dead (a call made meanwhile still fails over).
+                worker.missed_polls += 1
+                if worker.alive and (worker.missed_polls >= MAX_MISSED_POLLS or not isinstance(error, TimeoutError)):
+                    log.warning("worker %s is not answering: %r", worker.name, error)
+                    worker.alive = False
                 return None
             worker.free_kv_blocks, worker.alive, worker.peak_flops = stats.num_free_kv_blocks, True, stats.peak_flops
+            worker.missed_polls = 0
             worker.draining = stats.draining
             worker.reported_requests = stats.num_running + stats.num_waiting
             worker.reported_queued_tokens = stats.num_queued_tokens
