@@ -39,6 +39,16 @@ def test_int8_weights_multiply_their_integers_and_scale_the_sums(rows, out_featu
     close(native.amx_linear(x, q.qweight, q.scale, None, bias), want.bfloat16())
 
 
+def test_int8_weights_of_every_value_are_read_exactly():
+    """Each of the 256 int8 values (-128 too, which Int8Weight never makes) in every column position of a 64-column
+    chunk, and a last half chunk (K = 160): the product of the integers themselves."""
+    values = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    w = torch.stack([values.roll(17 * n)[:160] for n in range(40)])  # [40, 160]
+    x = torch.randint(-3, 4, (20, 160)).bfloat16()  # small integers: every sum exact in float32 and bf16
+    want = F.linear(x.double(), w.double()).bfloat16()
+    assert torch.equal(native.amx_linear(x, w, torch.ones(40), None, None), want)
+
+
 # in features: one 64-column block, half a block past whole blocks (the padded step never read), several blocks
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 1, 64), (9, 33, 96), (33, 70, 320), (8, 40, 1024),
                                                              (64, 65, 2048)])

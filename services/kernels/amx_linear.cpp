@@ -8,10 +8,11 @@
 //                          int4 (packed [N, Kp / 2], scale and low [N, Kp / 32] float16: int4_block.h)
 //   bias:  [N]             optional, float32 here (x's dtype in Python)
 //   xb:    [S, Mt, 16, 16] int32: step s, tile t, row r, lane m the pair (x[16t + m, 32s + 2r], x[.., 32s + 2r + 1]),
-//                          zeros past M: tdpbf16ps's B operand, packed once a call
+//                          zeros past M: tdpbf16ps's B operand, packed once a call (for int8 W, x's pairs first put
+//                          in the order int8_chunks.h converts W's columns in: each 64-column chunk's two halves)
 //   A:     [16, 32]        bf16 per tile: 16 W rows x one step's columns, loaded from W itself (bf16, rows K * 2
-//                          bytes apart) or from `converted` (int8 -> bf16, exact: |w| <= 127 fits bf16's 8 bits;
-//                          int4 dequantized and rounded to bf16 as int4's prefill path does)
+//                          bytes apart) or from `converted` (int8 -> bf16 by int8_chunks.h's tables, exact: every
+//                          int8 fits bf16's 8 bits; int4 dequantized and rounded to bf16 as int4's prefill path does)
 //   C:     [16, 16]        float32 per (A tile, B tile): W rows x rows of x, summed over the steps; tiles 0-3
 //   y:     [M, N]          bf16: C transposed (16 x 16 lanes), scaled (int8), + bias, rounded once
 //
@@ -38,7 +39,7 @@
 #include "tile_state.h"
 #include "transpose16.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 namespace {
 
 using amx_rows::Bf16Rows, amx_rows::Int4Rows, amx_rows::Int8Rows, amx_rows::kNB, amx_rows::kStep;
@@ -151,9 +152,10 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
   const torch::Tensor xc = x.contiguous();
   torch::Tensor y = torch::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
-  // x's pairs as B tiles (the legend's xb)
+  // x's pairs as B tiles (the legend's xb); for int8 W in its chunks' column order (int8_chunks.h)
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xc.data_ptr<at::BFloat16>());
   const std::vector<int32_t> xb =
-      tile_columns(reinterpret_cast<const int32_t*>(xc.data_ptr<at::BFloat16>()), M, K / 2);
+      int8 ? tile_columns(int8_chunks::ordered_units(x32, M, K / 2).data(), M, K / 2) : tile_columns(x32, M, K / 2);
   const float* sc = int8 ? scale->data_ptr<float>() : nullptr;
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   auto* out = y.data_ptr<at::BFloat16>();
@@ -174,13 +176,14 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
     });
   } else if (int8) {
     const int8_t* wv = w.data_ptr<int8_t>();
+    static const int8_chunks::Table table;
     product(xb, M, N, K, sc, b, out, [&](int64_t n0, const auto& run) {
-      alignas(64) at::BFloat16 converted[2 * kNB * kStep];
+      alignas(64) at::BFloat16 converted[4 * kNB * kStep];
       const int8_t* next = n0 + 2 * kNB <= N ? wv + (n0 + kNB) * K : nullptr;
-      if (n0 + kNB <= N) return run(Int8Rows{wv + n0 * K, K, K / kStep, converted, next});
+      if (n0 + kNB <= N) return run(Int8Rows{wv + n0 * K, K, K / kStep, converted, next, table});
       std::vector<int8_t> copy(kNB * K, 0);  // the last block's rows past N: zeros
       std::memcpy(copy.data(), wv + n0 * K, (N - n0) * K);
-      run(Int8Rows{copy.data(), K, K / kStep, converted, nullptr});
+      run(Int8Rows{copy.data(), K, K / kStep, converted, nullptr, table});
     });
   } else {
     const at::BFloat16* wv = w.data_ptr<at::BFloat16>();

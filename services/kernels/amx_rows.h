@@ -2,7 +2,7 @@
 // (bf16) into tiles 4 and 5. Shapes and the legend: amx_linear.cpp.
 #pragma once
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "int4_block.h"
+#include "int8_chunks.h"
 #include "rows_ahead.h"
 
 namespace amx_rows {
@@ -31,32 +32,35 @@ struct Bf16Rows {
   }
 };
 
-// int8 W: each step's 32 x 32 block converted to bf16 (exact: |w| <= 127 fits bf16's 8 bits) one step ahead of its
-// tile loads, into the other half of `converted`: converted and loaded in the same step, 8 rows of 16384 x 2048 took
-// 2.76 ms against 1.82 (separate runs of a noisy hour; a whole 32-row block converted at once, 128-512 KB, was slower
+// int8 W: each 64-column chunk of the block's 32 rows converted to bf16 by table lookups (int8_chunks.h: its two
+// halves are steps 2c and 2c + 1, columns in the order ordered_units puts x in) one chunk ahead of its steps' tile
+// loads, into the other half of `converted`: converted and loaded in the same step, 8 rows of 16384 x 2048 took 2.76
+// ms against 1.82 (separate runs of a noisy hour; a whole 32-row block converted at once, 128-512 KB, was slower
 // still), as if a tile load waited on the stores of its own bytes.
 struct Int8Rows {
   const int8_t* w;  // the block's first row
   int64_t K, S;
-  at::BFloat16* converted;  // [2, 32, 32]: steps alternate halves
+  at::BFloat16* converted;  // [2 chunks, 2 halves, 32, 32]: chunks alternate
   const int8_t* next;  // the next block's first row, nullptr where none (rows_ahead.h)
+  const int8_chunks::Table& table;
 
-  void convert(int64_t s) const {
-    const int8_t* at = w + s * kStep;
-    at::BFloat16* out = converted + s % 2 * kNB * kStep;
-    const int8_t* ahead = s % 2 == 0 ? rows_ahead(w, next, s, kAhead, S, kStep) : nullptr;  // a line: two steps
+  void convert(int64_t c) const {
+    const int8_t* at = w + c * 2 * kStep;
+    at::BFloat16* out = converted + c % 2 * 2 * kNB * kStep;
+    const int8_t* ahead = rows_ahead(w, next, 2 * c, kAhead, S, kStep);  // a line: the chunk
+    const bool whole = 2 * c + 1 < S;  // else the last step's 32 columns (K % 64 == 32), in column order
     for (int64_t r = 0; r < kNB; ++r) {
       if (ahead) __builtin_prefetch(ahead + r * K, 0, 3);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + r * K));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-      _mm512_storeu_si512(out + r * kStep, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      if (whole)
+        int8_chunks::chunk(table, at + r * K, out + r * kStep, out + (kNB + r) * kStep);
+      else
+        int8_chunks::int8_half(at + r * K, out + r * kStep);
     }
   }
   void load(int64_t s) const {
     if (s == 0) convert(0);
-    if (s + 1 < S) convert(s + 1);
-    const at::BFloat16* at = converted + s % 2 * kNB * kStep;
+    if (s % 2 == 0 && s / 2 + 1 < (S + 1) / 2) convert(s / 2 + 1);
+    const at::BFloat16* at = converted + s / 2 % 2 * 2 * kNB * kStep + s % 2 * kNB * kStep;
     _tile_loadd(4, at, 64);
     _tile_loadd(5, at + 16 * kStep, 64);
   }

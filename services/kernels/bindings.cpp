@@ -95,7 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("packed"), py::arg("low"), py::arg("bias"));
 #endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   m.def("amx_linear", &amx_linear,
         "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]) for batches, W bf16 (w), int8 (w, scale [N]) or group-wise int4 "
         "(w: packed, scale, low), K a multiple of 32: W's rows loaded as tiles where they lie, tdpbf16ps (CPUs with AMX)",
