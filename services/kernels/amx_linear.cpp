@@ -8,11 +8,11 @@
 //                          int4 (packed [N, Kp / 2], scale and low [N, Kp / 32] float16: int4_block.h)
 //   bias:  [N]             optional, float32 here (x's dtype in Python)
 //   xb:    [S, Mt, 16, 16] int32: step s, tile t, row r, lane m the pair (x[16t + m, 32s + 2r], x[.., 32s + 2r + 1]),
-//                          zeros past M: tdpbf16ps's B operand, packed once a call (for int8 W, x's pairs first put
-//                          in the order int8_chunks.h converts W's columns in: each 64-column chunk's two halves)
+//                          zeros past M: tdpbf16ps's B operand, packed once a call (for int8 and int4 W, x's
+//                          columns first put in the order tile_chunks.h converts W's in, int4's over Kp columns)
 //   A:     [16, 32]        bf16 per tile: 16 W rows x one step's columns, loaded from W itself (bf16, rows K * 2
-//                          bytes apart) or from `converted` (int8 -> bf16 by int8_chunks.h's tables, exact: every
-//                          int8 fits bf16's 8 bits; int4 dequantized and rounded to bf16 as int4's prefill path does)
+//                          bytes apart) or from `converted` (tile_chunks.h's byte lookups: int8 exact, every int8
+//                          fits bf16's 8 bits; int4 dequantized and rounded to bf16 as int4's prefill path does)
 //   C:     [16, 16]        float32 per (A tile, B tile): W rows x rows of x, summed over the steps; tiles 0-3
 //   y:     [M, N]          bf16: C transposed (16 x 16 lanes), scaled (int8), + bias, rounded once
 //
@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -42,7 +43,18 @@
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 namespace {
 
-using amx_rows::Bf16Rows, amx_rows::Int4Rows, amx_rows::Int8Rows, amx_rows::kNB, amx_rows::kStep;
+using amx_rows::Bf16Rows, amx_rows::ChunkRows, amx_rows::Int4Chunks, amx_rows::Int8Chunks, amx_rows::kNB,
+    amx_rows::kStep;
+
+// The column of an int4 chunk whose nibble lies in byte `byte` (int4::block_order's inverse).
+int int4_column(int byte) {
+  static const std::array<int, int4::kBlock> column = [] {
+    std::array<int, int4::kBlock> c{};
+    for (int e = 0; e < int4::kBlock; ++e) c[int4::block_order(e)] = e;
+    return c;
+  }();
+  return column[byte];
+}
 
 // Every tile used here: 16 rows of 64 bytes.
 inline void load_tiles() {
@@ -152,10 +164,14 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
   const torch::Tensor xc = x.contiguous();
   torch::Tensor y = torch::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
-  // x's pairs as B tiles (the legend's xb); for int8 W in its chunks' column order (int8_chunks.h)
+  // x's pairs as B tiles (the legend's xb); for quantized W in the column order its chunks are converted in
+  // (tile_chunks.h), over int4's padded Kp columns
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xc.data_ptr<at::BFloat16>());
+  const int64_t Kx = int4 ? w.size(1) * 2 : K;  // x's columns as the tiles read them
   const std::vector<int32_t> xb =
-      int8 ? tile_columns(int8_chunks::ordered_units(x32, M, K / 2).data(), M, K / 2) : tile_columns(x32, M, K / 2);
+      int8 ? tile_chunks::ordered_tile_columns(x32, M, K / 2, K / 2, [](int byte) { return byte; })
+      : int4 ? tile_chunks::ordered_tile_columns(x32, M, K / 2, Kx / 2, int4_column)
+             : tile_columns(x32, M, K / 2);
   const float* sc = int8 ? scale->data_ptr<float>() : nullptr;
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   auto* out = y.data_ptr<at::BFloat16>();
@@ -163,8 +179,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
     const int64_t Kp = w.size(1) * 2, groups = Kp / int4::kGroup;
     const uint8_t* packed = w.data_ptr<uint8_t>();
     const at::Half *wscale = scale->data_ptr<at::Half>(), *wlow = low->data_ptr<at::Half>();
-    product(xb, M, N, K, nullptr, b, out, [&](int64_t n0, const auto& run) {
-      alignas(64) at::BFloat16 converted[2 * kNB * 64];
+    product(xb, M, N, Kx, nullptr, b, out, [&](int64_t n0, const auto& run) {
+      alignas(64) at::BFloat16 converted[4 * kNB * kStep];
       thread_local std::vector<float> params;  // the block's scales, then its lows, as float32
       const int64_t live = std::min(kNB, N - n0);
       params.resize(2 * kNB * groups);
@@ -172,18 +188,18 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
       for (int64_t r = 0; r < live; ++r)
         int4::row_params(wscale + (n0 + r) * groups, wlow + (n0 + r) * groups, groups, sc + r * groups,
                          lo + r * groups);
-      run(Int4Rows{packed + n0 * Kp / 2, sc, lo, Kp, live, K / kStep, converted});
+      run(ChunkRows<Int4Chunks>{{packed + n0 * Kp / 2, sc, lo, Kp, live}, Kp / kStep, converted});
     });
   } else if (int8) {
     const int8_t* wv = w.data_ptr<int8_t>();
-    static const int8_chunks::Table table;
+    static const tile_chunks::Int8Table table;
     product(xb, M, N, K, sc, b, out, [&](int64_t n0, const auto& run) {
       alignas(64) at::BFloat16 converted[4 * kNB * kStep];
       const int8_t* next = n0 + 2 * kNB <= N ? wv + (n0 + kNB) * K : nullptr;
-      if (n0 + kNB <= N) return run(Int8Rows{wv + n0 * K, K, K / kStep, converted, next, table});
+      if (n0 + kNB <= N) return run(ChunkRows<Int8Chunks>{{wv + n0 * K, K, next, table}, K / kStep, converted});
       std::vector<int8_t> copy(kNB * K, 0);  // the last block's rows past N: zeros
       std::memcpy(copy.data(), wv + n0 * K, (N - n0) * K);
-      run(Int8Rows{copy.data(), K, K / kStep, converted, nullptr, table});
+      run(ChunkRows<Int8Chunks>{{copy.data(), K, nullptr, table}, K / kStep, converted});
     });
   } else {
     const at::BFloat16* wv = w.data_ptr<at::BFloat16>();

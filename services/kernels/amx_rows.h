@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "int4_block.h"
-#include "int8_chunks.h"
+#include "tile_chunks.h"
 #include "rows_ahead.h"
 
 namespace amx_rows {
@@ -32,67 +32,66 @@ struct Bf16Rows {
   }
 };
 
-// int8 W: each 64-column chunk of the block's 32 rows converted to bf16 by table lookups (int8_chunks.h: its two
-// halves are steps 2c and 2c + 1, columns in the order ordered_units puts x in) one chunk ahead of its steps' tile
-// loads, into the other half of `converted`: converted and loaded in the same step, 8 rows of 16384 x 2048 took 2.76
-// ms against 1.82 (separate runs of a noisy hour; a whole 32-row block converted at once, 128-512 KB, was slower
-// still), as if a tile load waited on the stores of its own bytes.
-struct Int8Rows {
-  const int8_t* w;  // the block's first row
-  int64_t K, S;
+// Quantized W (int8, int4): each 64-column chunk of the block's 32 rows converted to bf16 (tile_chunks.h: its two
+// halves are steps 2c and 2c + 1, columns in the order ordered_tile_columns puts x in) one chunk ahead of its steps'
+// tile loads, into the other half of `converted`: converted and loaded in the same step, 8 rows of 16384 x 2048 took
+// 2.76 ms against 1.82 (separate runs of a noisy hour; a whole 32-row block converted at once, 128-512 KB, was slower
+// still), as if a tile load waited on the stores of its own bytes. Format::convert(c, out) fills the chunk's halves.
+template <typename Format>
+struct ChunkRows {
+  Format format;
+  int64_t S;
   at::BFloat16* converted;  // [2 chunks, 2 halves, 32, 32]: chunks alternate
-  const int8_t* next;  // the next block's first row, nullptr where none (rows_ahead.h)
-  const int8_chunks::Table& table;
 
-  void convert(int64_t c) const {
-    const int8_t* at = w + c * 2 * kStep;
-    at::BFloat16* out = converted + c % 2 * 2 * kNB * kStep;
-    const int8_t* ahead = rows_ahead(w, next, 2 * c, kAhead, S, kStep);  // a line: the chunk
-    const bool whole = 2 * c + 1 < S;  // else the last step's 32 columns (K % 64 == 32), in column order
-    for (int64_t r = 0; r < kNB; ++r) {
-      if (ahead) __builtin_prefetch(ahead + r * K, 0, 3);
-      if (whole)
-        int8_chunks::chunk(table, at + r * K, out + r * kStep, out + (kNB + r) * kStep);
-      else
-        int8_chunks::int8_half(at + r * K, out + r * kStep);
-    }
-  }
   void load(int64_t s) const {
-    if (s == 0) convert(0);
-    if (s % 2 == 0 && s / 2 + 1 < (S + 1) / 2) convert(s / 2 + 1);
+    if (s == 0) format.convert(0, converted);
+    if (s % 2 == 0 && s / 2 + 1 < (S + 1) / 2) format.convert(s / 2 + 1, converted + (s / 2 + 1) % 2 * 2 * kNB * kStep);
     const at::BFloat16* at = converted + s / 2 % 2 * 2 * kNB * kStep + s % 2 * kNB * kStep;
     _tile_loadd(4, at, 64);
     _tile_loadd(5, at + 16 * kStep, 64);
   }
 };
 
-// int4 W (group-wise, int4_block.h): each 64-column block of the 32 rows as bf16 (block_bf16: int4's prefill path's
-// values, int4_dequantize) one block ahead of its two steps' tile loads, into the other half of `converted` (why ahead:
-// Int8Rows).
-struct Int4Rows {
+// int8 W [32 rows, K]: exact (every int8 fits bf16's 8 bits)
+struct Int8Chunks {
+  const int8_t* w;  // the block's first row
+  int64_t K;
+  const int8_t* next;  // the next block's first row, nullptr where none (rows_ahead.h)
+  const tile_chunks::Int8Table& table;
+
+  void convert(int64_t c, at::BFloat16* out) const {
+    const int8_t* at = w + c * 2 * kStep;
+    const int64_t S = K / kStep;
+    const int8_t* ahead = rows_ahead(w, next, 2 * c, kAhead, S, kStep);  // a line: the chunk
+    const bool whole = 2 * c + 1 < S;  // else the last step's 32 columns (K % 64 == 32), in column order
+    for (int64_t r = 0; r < kNB; ++r) {
+      if (ahead) __builtin_prefetch(ahead + r * K, 0, 3);
+      if (whole)
+        tile_chunks::int8_chunk(table, at + r * K, out + r * kStep, out + (kNB + r) * kStep);
+      else
+        tile_chunks::int8_half(at + r * K, out + r * kStep);
+    }
+  }
+};
+
+// int4 W (group-wise, int4_block.h) [32 rows, Kp]: int4's prefill path's bf16 values (int4_dequantize)
+struct Int4Chunks {
   const uint8_t* packed;  // the block's first row: [32, Kp / 2]
   const float *scale, *low;  // [32, Kp / 32] each, the block's group parameters as float32 (row_params)
-  int64_t Kp, live, S;  // live: rows of the block within N (the others: zeros)
-  at::BFloat16* converted;  // [2, 32, 64]: 64-column blocks alternate halves
+  int64_t Kp, live;  // live: rows of the block within N (the others: zeros)
 
-  void convert(int64_t blk) const {
-    at::BFloat16* out = converted + blk % 2 * kNB * 64;
+  void convert(int64_t c, at::BFloat16* out) const {
     const int64_t groups = Kp / int4::kGroup;
     for (int64_t r = 0; r < kNB; ++r) {
       if (r >= live) {
-        std::memset(out + r * 64, 0, 64 * sizeof(at::BFloat16));
+        std::memset(out + r * kStep, 0, kStep * sizeof(at::BFloat16));
+        std::memset(out + (kNB + r) * kStep, 0, kStep * sizeof(at::BFloat16));
         continue;
       }
-      __builtin_prefetch(packed + r * Kp / 2 + (blk + 4) * 32, 0, 3);
-      int4::block_bf16(packed + r * Kp / 2, blk, scale + r * groups, low + r * groups, out + r * 64);
+      __builtin_prefetch(packed + r * Kp / 2 + (c + 4) * 32, 0, 3);
+      tile_chunks::int4_chunk(packed + r * Kp / 2, c, scale + r * groups, low + r * groups, out + r * kStep,
+                              out + (kNB + r) * kStep);
     }
-  }
-  void load(int64_t s) const {
-    if (s == 0) convert(0);
-    if (s % 2 == 0 && s / 2 + 1 < (S + 1) / 2) convert(s / 2 + 1);
-    const at::BFloat16* at = converted + s / 2 % 2 * kNB * 64 + s % 2 * kStep;
-    _tile_loadd(4, at, 128);
-    _tile_loadd(5, at + 16 * 64, 128);
   }
 };
 
