@@ -43,10 +43,11 @@ struct ChunkRows {
   int64_t S;
   at::BFloat16* converted;  // [2 chunks, 2 halves, 32, 32]: chunks alternate
 
+  at::BFloat16* chunk(int64_t c) const { return converted + c % 2 * 2 * kNB * kStep; }
   void load(int64_t s) const {
-    if (s == 0) format.convert(0, converted);
-    if (s % 2 == 0 && s / 2 + 1 < (S + 1) / 2) format.convert(s / 2 + 1, converted + (s / 2 + 1) % 2 * 2 * kNB * kStep);
-    const at::BFloat16* at = converted + s / 2 % 2 * 2 * kNB * kStep + s % 2 * kNB * kStep;
+    if (s == 0) format.convert(0, chunk(0));
+    if (s % 2 == 0 && s / 2 + 1 < (S + 1) / 2) format.convert(s / 2 + 1, chunk(s / 2 + 1));
+    const at::BFloat16* at = chunk(s / 2) + s % 2 * kNB * kStep;
     _tile_loadd(4, at, 64);
     _tile_loadd(5, at + 16 * kStep, 64);
   }

@@ -118,7 +118,10 @@ inline void int4_chunk(const uint8_t* packed, int64_t b, const float* sc, const 
   static const Bytes bytes = [] {
     Bytes o{};
     for (int e = 0; e < kChunk; ++e) o.group_offset[int4::block_order(e)] = e >= int4::kGroup ? 16 : 0;
-    for (int i = 0; i < 32; ++i) o.split[i] = static_cast<uint8_t>(2 * i), o.split[32 + i] = static_cast<uint8_t>(2 * i + 1);
+    for (int i = 0; i < 32; ++i) {
+      o.split[i] = static_cast<uint8_t>(2 * i);
+      o.split[32 + i] = static_cast<uint8_t>(2 * i + 1);
+    }
     return o;
   }();
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
