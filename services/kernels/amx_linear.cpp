@@ -195,7 +195,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
     static const tile_chunks::Int8Table table;
     product(xb, M, N, K, sc, b, out, [&](int64_t n0, const auto& run) {
       alignas(64) at::BFloat16 converted[4 * kNB * kStep];
-      const int8_t* next = n0 + 2 * kNB <= N ? wv + (n0 + kNB) * K : nullptr;
+      const int8_t* next = next_block(wv, n0, kNB, N, K);
       if (n0 + kNB <= N) return run(ChunkRows<Int8Chunks>{{wv + n0 * K, K, next, table}, K / kStep, converted});
       std::vector<int8_t> copy(kNB * K, 0);  // the last block's rows past N: zeros
       std::memcpy(copy.data(), wv + n0 * K, (N - n0) * K);
@@ -204,7 +204,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
   } else {
     const at::BFloat16* wv = w.data_ptr<at::BFloat16>();
     product(xb, M, N, K, sc, b, out, [&](int64_t n0, const auto& run) {
-      const at::BFloat16* next = n0 + 2 * kNB <= N ? wv + (n0 + kNB) * K : nullptr;
+      const at::BFloat16* next = next_block(wv, n0, kNB, N, K);
       if (n0 + kNB <= N) return run(Bf16Rows{wv + n0 * K, K, next});
       std::vector<at::BFloat16> copy(kNB * K, at::BFloat16(0.f));  // the last block's rows past N: zeros
       std::memcpy(copy.data(), wv + n0 * K, (N - n0) * K * sizeof(at::BFloat16));

@@ -121,7 +121,7 @@ void product(const T* x, const int8_t* w, const float* scale, const T* bias, int
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kNB;
       const int8_t* rows = w + n0 * K;
-      const int8_t* next = n0 + 2 * kNB <= N ? rows + kNB * K : nullptr;
+      const int8_t* next = next_block(w, n0, kNB, N, K);
       if (n0 + kNB > N) {
         last.assign(kNB * K, 0);
         std::memcpy(last.data(), rows, (N - n0) * K);

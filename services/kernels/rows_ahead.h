@@ -18,3 +18,10 @@ inline const T* rows_ahead(const T* w, const T* next, int64_t s, int64_t ahead, 
   if (target < S) return w + target * step;
   return next ? next + (target - S) * step : nullptr;
 }
+
+// The first row of the block after the one starting at row n0 of w [N, K] (blocks of nb rows), where that block is
+// whole; nullptr where none follows (a last, partial block is read from a zero-padded copy: nothing to fetch there).
+template <typename T>
+inline const T* next_block(const T* w, int64_t n0, int64_t nb, int64_t N, int64_t K) {
+  return n0 + 2 * nb <= N ? w + (n0 + nb) * K : nullptr;
+}
