@@ -29,7 +29,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -46,15 +45,6 @@ namespace {
 using amx_rows::Bf16Rows, amx_rows::ChunkRows, amx_rows::Int4Chunks, amx_rows::Int8Chunks, amx_rows::kNB,
     amx_rows::kStep;
 
-// The column of an int4 chunk whose nibble lies in byte `byte` (int4::block_order's inverse).
-int int4_column(int byte) {
-  static const std::array<int, int4::kBlock> column = [] {
-    std::array<int, int4::kBlock> c{};
-    for (int e = 0; e < int4::kBlock; ++e) c[int4::block_order(e)] = e;
-    return c;
-  }();
-  return column[byte];
-}
 
 // Every tile used here: 16 rows of 64 bytes.
 inline void load_tiles() {
@@ -170,7 +160,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const c
   const int64_t Kx = int4 ? w.size(1) * 2 : K;  // x's columns as the tiles read them
   const std::vector<int32_t> xb =
       int8 ? tile_chunks::ordered_tile_columns(x32, M, K / 2, K / 2, [](int byte) { return byte; })
-      : int4 ? tile_chunks::ordered_tile_columns(x32, M, K / 2, Kx / 2, int4_column)
+      : int4 ? tile_chunks::ordered_tile_columns(x32, M, K / 2, Kx / 2, int4::block_column)
              : tile_columns(x32, M, K / 2);
   const float* sc = int8 ? scale->data_ptr<float>() : nullptr;
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;

@@ -36,6 +36,15 @@ inline int block_order(int e) {
   block_slot(e, r, w);
   return 16 * (w / 8) + w % 8 + 8 * r;
 }
+// The column whose nibble lies in byte `byte` of a block (block_order's inverse).
+inline int block_column(int byte) {
+  static const std::array<int, kBlock> column = [] {
+    std::array<int, kBlock> c{};
+    for (int e = 0; e < kBlock; ++e) c[block_order(e)] = e;
+    return c;
+  }();
+  return column[byte];
+}
 
 // One row's group parameters as float32 ([Kp / G] each).
 inline void row_params(const at::Half* scale, const at::Half* low, int64_t groups, float* sc, float* lo) {
@@ -58,11 +67,16 @@ inline void row_params(const at::Half* scale, const at::Half* low, int64_t group
 }
 
 #if defined(__AVX512BW__)
-// Block b's 64 columns as two registers of 32 bf16 words 0x43qq = 128 + q, in block_slot's order.
-inline void block_words(const uint8_t* packed, int64_t b, __m512i& wa, __m512i& wb) {
+// Block b's 64 nibbles, one a byte, in block_order's bytes.
+inline __m512i block_nibbles(const uint8_t* packed, int64_t b) {
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32)));
-  const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_set1_epi8(0x0F));
+  return _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_set1_epi8(0x0F));
+}
+
+// Block b's 64 columns as two registers of 32 bf16 words 0x43qq = 128 + q, in block_slot's order.
+inline void block_words(const uint8_t* packed, int64_t b, __m512i& wa, __m512i& wb) {
+  const __m512i nibbles = block_nibbles(packed, b);
   wa = _mm512_unpacklo_epi8(nibbles, _mm512_set1_epi8(0x43));  // r = 0: columns 0..15 and 32..47 of the block
   wb = _mm512_unpackhi_epi8(nibbles, _mm512_set1_epi8(0x43));  // r = 1: columns 16..31 and 48..63
 }
@@ -116,6 +130,27 @@ inline SlotX slot_x(const torch::Tensor& x, int64_t Kp) {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Block b's nibbles as indices into group_values' words: in block_order's bytes, 16 added in the second group's.
+inline __m512i group_indices(const uint8_t* packed, int64_t b) {
+  struct Offsets {
+    alignas(64) uint8_t by_byte[kBlock];  // 16 where the byte's column is in the second group
+  };
+  static const Offsets offsets = [] {
+    Offsets o{};
+    for (int e = 0; e < kBlock; ++e) o.by_byte[block_order(e)] = e >= kGroup ? 16 : 0;
+    return o;
+  }();
+  return _mm512_or_si512(block_nibbles(packed, b), _mm512_load_si512(offsets.by_byte));
+}
+
+// Block b's two groups' 16 values each, bf16(fma(q, scale, low)), as 32 words (0-15 the first group's).
+inline __m512i group_values(const float* sc, const float* lo, int64_t b) {
+  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 first = _mm512_fmadd_ps(q, _mm512_set1_ps(sc[2 * b]), _mm512_set1_ps(lo[2 * b]));
+  const __m512 second = _mm512_fmadd_ps(q, _mm512_set1_ps(sc[2 * b + 1]), _mm512_set1_ps(lo[2 * b + 1]));
+  return (__m512i)_mm512_cvtne2ps_pbh(second, first);
+}
+
 // Block b of one row as 64 bf16 in column order (out [64]): bf16(fma(q, scale, low)) of each column's group, the values
 // dequantize_row + store_row give. A group has only 16 values, so they are made once (one FMA a group) into a table of
 // 32 words, and each column's nibble picks its word (vpermw): the nibbles widened to words, put in column order by two
@@ -123,30 +158,20 @@ inline SlotX slot_x(const torch::Tensor& x, int64_t Kp) {
 // rounding per 16): 32 rows x 16384 x 2048 on the tile unit 6.5 -> 2.0 ms (amx_rows.h, Intel Xeon family 6 model 207).
 // sc, lo: the row's group parameters as float32 (row_params).
 inline void block_bf16(const uint8_t* packed, int64_t b, const float* sc, const float* lo, at::BFloat16* out) {
-  struct Words {
-    alignas(64) uint16_t column_byte[kBlock];  // column e's byte in `nibbles` below (block_order)
-    alignas(64) uint8_t group_offset[kBlock];  // by byte: 16 where the byte's column is in the second group
+  struct Order {
+    alignas(64) uint16_t column_byte[kBlock];  // column e's byte in the indices (block_order)
   };
-  static const Words words = [] {
-    Words w{};
-    for (int e = 0; e < kBlock; ++e) {
-      w.column_byte[e] = static_cast<uint16_t>(block_order(e));
-      w.group_offset[block_order(e)] = e >= kGroup ? 16 : 0;
-    }
-    return w;
+  static const Order order_of = [] {
+    Order o{};
+    for (int e = 0; e < kBlock; ++e) o.column_byte[e] = static_cast<uint16_t>(block_order(e));
+    return o;
   }();
-  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32)));
-  const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_set1_epi8(0x0F));  // as block_words
-  const __m512i index = _mm512_or_si512(nibbles, _mm512_load_si512(words.group_offset));
+  const __m512i index = group_indices(packed, b);
   const __m512i lo_words = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(index));
   const __m512i hi_words = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(index, 1));
-  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 first = _mm512_fmadd_ps(q, _mm512_set1_ps(sc[2 * b]), _mm512_set1_ps(lo[2 * b]));
-  const __m512 second = _mm512_fmadd_ps(q, _mm512_set1_ps(sc[2 * b + 1]), _mm512_set1_ps(lo[2 * b + 1]));
-  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // words 0-15 the first group's
+  const __m512i table = group_values(sc, lo, b);
   for (int half = 0; half < 2; ++half) {  // columns 32 half .. 32 half + 31
-    const __m512i order = _mm512_load_si512(words.column_byte + 32 * half);
+    const __m512i order = _mm512_load_si512(order_of.column_byte + 32 * half);
     const __m512i column_index = _mm512_permutex2var_epi16(lo_words, order, hi_words);
     _mm512_storeu_si512(out + 32 * half, _mm512_permutexvar_epi16(column_index, table));
   }

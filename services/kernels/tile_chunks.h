@@ -4,7 +4,7 @@
 // Legend: a chunk is 64 columns of one W row (int8: 64 bytes; int4: 32 bytes of nibbles, int4_block.h), looked up
 // byte by byte into the low and the high bytes of 64 bf16, which two byte unpacks interleave into two halves of 32
 // (one tile row each). Half h, word 8L + i (lane L = 0..3, i = 0..7) comes from byte 16L + 8h + i (unpacked_byte):
-// int8's column of that number, int4's column whose nibble int4::block_order puts there. Pairs of adjacent words meet
+// int8's column of that number, int4's int4::block_column of it. Pairs of adjacent words meet
 // pairs of x in the tile product, so x is put in the same order (ordered_tile_columns): each product is the same sum.
 //
 // Why: converting by float conversions (int8: a sign extension, an integer-to-float conversion per 16 columns and a
@@ -111,28 +111,19 @@ inline void int8_half(const int8_t* src, at::BFloat16* out) {
 // second group's bytes, pick from them.
 inline void int4_chunk(const uint8_t* packed, int64_t b, const float* sc, const float* lo, at::BFloat16* half0,
                        at::BFloat16* half1) {
-  struct Bytes {
-    alignas(64) uint8_t group_offset[kChunk];  // by byte: 16 where its column is in the second group
-    alignas(64) uint8_t split[kChunk];  // the 32 words' low bytes, then their high bytes
+  struct Split {
+    alignas(64) uint8_t bytes[kChunk];  // the 32 words' low bytes, then their high bytes
   };
-  static const Bytes bytes = [] {
-    Bytes o{};
-    for (int e = 0; e < kChunk; ++e) o.group_offset[int4::block_order(e)] = e >= int4::kGroup ? 16 : 0;
+  static const Split split = [] {
+    Split o{};
     for (int i = 0; i < 32; ++i) {
-      o.split[i] = static_cast<uint8_t>(2 * i);
-      o.split[32 + i] = static_cast<uint8_t>(2 * i + 1);
+      o.bytes[i] = static_cast<uint8_t>(2 * i);
+      o.bytes[32 + i] = static_cast<uint8_t>(2 * i + 1);
     }
     return o;
   }();
-  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + b * 32)));
-  const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_set1_epi8(0x0F));  // block_words
-  const __m512i index = _mm512_or_si512(nibbles, _mm512_load_si512(bytes.group_offset));
-  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 first = _mm512_fmadd_ps(q, _mm512_set1_ps(sc[2 * b]), _mm512_set1_ps(lo[2 * b]));
-  const __m512 second = _mm512_fmadd_ps(q, _mm512_set1_ps(sc[2 * b + 1]), _mm512_set1_ps(lo[2 * b + 1]));
-  const __m512i table =
-      _mm512_permutexvar_epi8(_mm512_load_si512(bytes.split), (__m512i)_mm512_cvtne2ps_pbh(second, first));
+  const __m512i index = int4::group_indices(packed, b);
+  const __m512i table = _mm512_permutexvar_epi8(_mm512_load_si512(split.bytes), int4::group_values(sc, lo, b));
   const __m512i low_bytes = _mm512_permutexvar_epi8(index, table);
   const __m512i high_bytes = _mm512_permutexvar_epi8(_mm512_or_si512(index, _mm512_set1_epi8(32)), table);
   _mm512_storeu_si512(half0, _mm512_unpacklo_epi8(low_bytes, high_bytes));
