@@ -13,7 +13,7 @@
 //                                  heads) transposed into it,
 //                                  then in place the bf16 probabilities: G heads x 16 tokens, 64 bytes apart: tile 3
 //   vb:     [nkh, 2 DP, 8, 16]     int32 per run: token pairs (v[2i, d], v[2i + 1, d]) of 16 dims in pair order
-//                                  (decode_pairs.h pair_column): tile 4
+//                                  (decode_pairs.h weigh_pairs): tile 4
 //   acc:    [Q, Dh]                float32, in pair order until normalized: tile 5, G rows x 16 dims at a time
 //
 // Why: on an Intel Xeon with AMX (2 threads), the pairs path's batch-32 x 1,024-token bf16 layer took ~2.9 ms from
@@ -143,7 +143,7 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
   load_score_tiles();
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scales = _mm512_set1_ps(scale);
-  std::vector<float> maxes(Q * kRun, -std::numeric_limits<float>::infinity());  // per head, lane-wise
+  std::vector<float> head_max(Q, -std::numeric_limits<float>::infinity());  // scaled
   alignas(64) at::BFloat16 padded[kRun * Dh];  // a short run's key rows, zeros past n
   alignas(64) float run_scores[kRun * 16];  // tile 2: [16 tokens, 16 columns]
   int64_t r = 0;
@@ -181,15 +181,24 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
       _tile_stored(2, run_scores, 64);
       __m512i rows[16], columns[16];
       for (int t = 0; t < 16; ++t) rows[t] = _mm512_load_si512(run_scores + 16 * t);
+      // the group's heads' maxima over the run's live tokens, taken across the rows before the transpose: one
+      // vector for its heads, where per head it was a load, a max and a store (the scale is positive and its
+      // rounding monotonic: max(s) scale = max(s scale), the same bits)
+      __m512 run_max = _mm512_castsi512_ps(rows[0]);
+      for (int64_t t = 1; t < n; ++t) run_max = _mm512_max_ps(run_max, _mm512_castsi512_ps(rows[t]));
+      const __mmask16 heads = static_cast<__mmask16>((1u << (group * G)) - 1);
+      float* max_at = head_max.data() + j0 * G;
+      run_max = _mm512_max_ps(_mm512_maskz_loadu_ps(heads, max_at), _mm512_mul_ps(run_max, scales));
+      _mm512_mask_storeu_ps(max_at, heads, run_max);
       transpose16(rows, columns);  // columns[c]: column c's 16 scores: head j0 G + c
       for (int64_t c = 0; c < group * G; ++c) {
-        const int64_t h = j0 * G + c;
-        const __m512 s = _mm512_mask_mov_ps(minus_inf, live, _mm512_mul_ps(_mm512_castsi512_ps(columns[c]), scales));
-        _mm512_storeu_ps(run + h * kRun, s);
-        _mm512_storeu_ps(maxes.data() + h * kRun, _mm512_max_ps(_mm512_loadu_ps(maxes.data() + h * kRun), s));
+        const __m512 s = _mm512_mul_ps(_mm512_castsi512_ps(columns[c]), scales);
+        _mm512_storeu_ps(run + (j0 * G + c) * kRun, n == kRun ? s : _mm512_mask_mov_ps(minus_inf, live, s));
       }
     }
   });
+  std::vector<float> maxes(Q * kRun);  // numerators' lane-wise maxima: each head's in all lanes
+  for (int64_t h = 0; h < Q; ++h) _mm512_storeu_ps(maxes.data() + h * kRun, _mm512_set1_ps(head_max[h]));
   std::vector<float> sums(Q);
   decode_pairs::numerators(scores.data(), r, Q, maxes.data(), sums.data());
   if constexpr (DP <= 2) {
