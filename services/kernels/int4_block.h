@@ -1,5 +1,6 @@
 // Group-wise int4 weights (services/int4_weight.py), shared by the int4 kernels: the layout, one row's
-// group parameters, a block as bf16 words (and bf16 x in their order), a row dequantized, and the argument checks.
+// group parameters, a block as bf16 words (bf16 x in their order: int4_slot_x.h), a row dequantized, and the
+// argument checks.
 //
 // Legend: N output features, Kp = K padded to whole 64-column blocks, G = 32 columns per group.
 //   packed: [N, Kp / 2] uint8 (block b of row n: 32 bytes; see int4_linear.cpp for the order)
@@ -79,53 +80,6 @@ inline void block_words(const uint8_t* packed, int64_t b, __m512i& wa, __m512i& 
   const __m512i nibbles = block_nibbles(packed, b);
   wa = _mm512_unpacklo_epi8(nibbles, _mm512_set1_epi8(0x43));  // r = 0: columns 0..15 and 32..47 of the block
   wb = _mm512_unpackhi_epi8(nibbles, _mm512_set1_epi8(0x43));  // r = 1: columns 16..31 and 48..63
-}
-#endif
-
-#if defined(__AVX512BW__)
-// x [M, K] (bf16) as int4_linear's AVX512-BF16 loop reads it: x [M, Kp] in block_slot's order, zero past K (two
-// vpermt2w a block), and xsum [M, Kp / G], its group sums in float32. Made here, not with torch's operators (pad,
-// sum, index_select): those cost ~10 us a call, a sixth of a 3072 x 2048 product's time from memory.
-struct SlotX {
-  std::vector<at::BFloat16> x;
-  std::vector<float> xsum;
-};
-inline SlotX slot_x(const torch::Tensor& x, int64_t Kp) {
-  alignas(64) static const std::array<uint16_t, kBlock> slot_column = [] {  // register r's word w: its column
-    std::array<uint16_t, kBlock> o{};
-    for (int e = 0; e < kBlock; ++e) {
-      int r, w;
-      block_slot(e, r, w);
-      o[32 * r + w] = static_cast<uint16_t>(e);
-    }
-    return o;
-  }();
-  const __m512i pick0 = _mm512_load_si512(slot_column.data()), pick1 = _mm512_load_si512(slot_column.data() + 32);
-  const int64_t M = x.size(0), K = x.size(1), groups = Kp / kGroup;
-  const torch::Tensor xc = x.contiguous();
-  const at::BFloat16* xv = xc.data_ptr<at::BFloat16>();
-  SlotX out{std::vector<at::BFloat16>(M * Kp), std::vector<float>(M * groups)};
-  std::vector<at::BFloat16> row(Kp, at::BFloat16(0.f));  // one row, zeros past K
-  auto as_float = [](__m256i words) {  // 16 bf16 -> float32: the top halves of the float32 bits
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
-  };
-  for (int64_t m = 0; m < M; ++m) {
-    std::copy(xv + m * K, xv + (m + 1) * K, row.begin());
-    for (int64_t b = 0; b < Kp / kBlock; ++b) {
-      const __m512i cols0 = _mm512_loadu_si512(row.data() + b * kBlock);  // the block's columns 0..31, 32..63
-      const __m512i cols1 = _mm512_loadu_si512(row.data() + b * kBlock + 32);
-      at::BFloat16* to = out.x.data() + m * Kp + b * kBlock;
-      _mm512_storeu_si512(to, _mm512_permutex2var_epi16(cols0, pick0, cols1));
-      _mm512_storeu_si512(to + 32, _mm512_permutex2var_epi16(cols0, pick1, cols1));
-      for (int g = 0; g < 2; ++g) {
-        const __m512i cols = g ? cols1 : cols0;
-        const __m512 both = _mm512_add_ps(as_float(_mm512_castsi512_si256(cols)),
-                                          as_float(_mm512_extracti64x4_epi64(cols, 1)));
-        out.xsum[m * groups + 2 * b + g] = _mm512_reduce_add_ps(both);
-      }
-    }
-  }
-  return out;
 }
 #endif
 

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "int4_block.h"
+#include "int4_slot_x.h"
 #include "x16_groups.h"
 #include "thread_chunks.h"
 #include "vec_load.h"
