@@ -45,7 +45,6 @@ namespace {
 using amx_rows::Bf16Rows, amx_rows::ChunkRows, amx_rows::Int4Chunks, amx_rows::Int8Chunks, amx_rows::kNB,
     amx_rows::kStep;
 
-
 // Every tile used here: 16 rows of 64 bytes.
 inline void load_tiles() {
   tile_state::Config config;

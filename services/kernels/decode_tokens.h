@@ -91,7 +91,8 @@ inline void for_each_token(const T* base, const int64_t* table, int64_t T_len, i
         const T* ahead = into_next < 0 ? row + kAhead * stride
                          : (next != nullptr && into_next < block_size ? next + into_next * stride : nullptr);
         if (ahead != nullptr && start + i + kAhead < T_len)
-          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(ahead) + off);
+          for (int64_t off = 0; off < row_bytes; off += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(ahead) + off);
       }
       fn(start + i, row);
     }
