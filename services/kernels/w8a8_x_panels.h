@@ -1,7 +1,7 @@
 // w8a8's product for many rows of x on AVX512-VNNI CPUs (w8a8_linear.cpp's legend and definition, bit for bit):
 // x's rounded rows packed once per call into panels of 16 rows, W's rows read four bytes at a time (in place, or from a
-// copy: group_rows), each broadcast by vpdpbusd itself against a panel vector, so an accumulator's 16 lanes are 16 rows
-// of x against one W row and no sum crosses lanes.
+// copy: group_rows), each broadcast to every lane against a panel vector, so an accumulator's 16 lanes are 16 rows of x
+// against one W row and no sum crosses lanes.
 //
 // Legend (besides w8a8_linear.cpp's): G = Kp / 4 groups of 4 columns, P = ceil(M / 16) panels, kNR = 12 W rows and
 // XP <= 2 panels a register tile (24 accumulators), a group: the kNR W rows a tile reads.
@@ -13,11 +13,12 @@
 //
 // Why: the 4 x 4 tiles (w8a8_linear.cpp) load a W and an x vector per 2 vpdpbusd and sum each accumulator's 16 lanes
 // at the end of every tile (16 of them in ~30 instructions); at 32 rows they ran 261 multiply-accumulates per ns of the
-// 467 vpdpbusd can do (AMD EPYC Zen 4, 2 threads, 16384 x 2048). Here a step loads 2 panel vectors for 24 vpdpbusd,
-// whose broadcast W operands are loads of 4 bytes; what it adds is a pass over each W row for its sum (from the caches:
-// the previous group's tiles fetched it; where the rows are copied, the same pass) and x's repacking (M x Kp bytes a
-// call). Zen 4, 2 threads, bf16 x, 16 / 32 / 64 / 256 rows against the 4 x 4 tiles: 16384 x 2048 1.0 / 1.10 / 1.14 /
-// 1.11x, 3072 x 2048 1.29 / 1.24 / 1.28 / 1.25x, 2048 x 8192 (copied) 0.85 / 0.97 / 0.96 / 0.99x.
+// 467 vpdpbusd can do (AMD EPYC Zen 4, 2 threads, 16384 x 2048). Here a step loads 2 panel vectors and broadcasts 12
+// W dwords for 24 vpdpbusd; what it adds is a pass over each W row for its sum (from the caches: the previous group's
+// tiles fetched it; where the rows are copied, the same pass) and x's repacking (M x Kp bytes a call). Zen 4, 2
+// threads, bf16 x, 16 / 32 / 64 / 256 rows against the 4 x 4 tiles (with vpdpbusd's own broadcast, before the
+// register one below): 16384 x 2048 1.0 / 1.10 / 1.14 / 1.11x, 3072 x 2048 1.29 / 1.24 / 1.28 / 1.25x, 2048 x 8192
+// (copied) 0.85 / 0.97 / 0.96 / 0.99x.
 #pragma once
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -85,15 +86,12 @@ inline const int8_t* group_rows(const int8_t* w, int64_t n0, int64_t n1, int64_t
   return in_place ? w + n0 * K : copy;
 }
 
-// acc += u (unsigned bytes) . the 4 signed bytes at v, broadcast to every lane (inline asm: w8a8_linear.cpp's dpbusd)
-inline void dpbusd_broadcast(__m512i& acc, __m512i u, const int8_t* v) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(v)));
-}
-
 // dots[j][16 t + r] = panel t's row r . W row j + 128 wsum[j], for XP panels from `panel` and kNR W rows w + j S;
 // `fetch`: 48 bytes a step from there fetched into L2 on the way (the thread's next group; fetch_step 0: none), and
 // each W row's line 4 lines ahead into L1 once a line. The W rows are addressed from four pointers (rows 0, 3, 6, 9)
-// and K: with twelve GCC ran out of registers and kept the accumulators in memory.
+// and K: with twelve GCC ran out of registers and kept the accumulators in memory. Each row's 4 bytes are broadcast
+// once into a register for both panels (vpbroadcastd): vpdpbusd's own {1to16} memory operand, one a product, ran
+// 7-10% slower (AMD EPYC Zen 4, 2 threads, 16-256 rows of the `1b` shapes; gate_up at 32 rows 3.89 against 3.64 ms).
 template <int XP>
 inline void panel_tile(const int32_t* panel, int64_t G, const int8_t* w, int64_t S, const int8_t* fetch,
                        int64_t fetch_step, int32_t dots[kPanelNR][32]) {
@@ -118,8 +116,11 @@ inline void panel_tile(const int32_t* panel, int64_t G, const int8_t* w, int64_t
     for (int t = 0; t < XP; ++t) xv[t] = _mm512_loadu_si512(xp + t * G * 16);
 #pragma GCC unroll 12
     for (int j = 0; j < kPanelNR; ++j) {
+      int32_t v;
+      std::memcpy(&v, row[j], 4);
+      const __m512i wj = _mm512_set1_epi32(v);  // W row j's 4 bytes in every lane, for both panels
 #pragma GCC unroll 2
-      for (int t = 0; t < XP; ++t) dpbusd_broadcast(acc[t][j], xv[t], row[j]);
+      for (int t = 0; t < XP; ++t) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], xv[t], wj);
     }
   }
 #pragma GCC unroll 2
