@@ -10,9 +10,8 @@
 //   y:      [M, N]        x's dtype, rounded once from the float32 sums
 //   xs:     [M, Kx]       bf16, x with zeros past K: its 32-bit lanes are the pairs (x[m, 2j], x[m, 2j + 1])
 //   rows:   [NR, KC]      bf16, per thread: one chunk of the panel's W rows (int8 exactly as integers, scaled at the
-//           end; int4 dequantized and rounded to bf16, as int4's prefill path does, its 64-column blocks' pairs in
-//           byte lookups' order on AVX512-VBMI builds: BlockOrder, x's pairs packed to match)
-//   panel:  [KC / 2, NR]  int32, per thread: rows transposed, lane n of entry j a pair (W[n, 2j], W[n, 2j + 1])
+//           end; int4 dequantized and rounded to bf16, as int4's prefill path does)
+//   panel:  [KC / 2, NR]  int32, per thread: rows transposed, lane n of entry j the pair (W[n, 2j], W[n, 2j + 1])
 //   sums:   [M, NR]       float32, per thread: the panel's sums over the chunks so far
 //
 // Why: with several rows the streaming kernels convert each W element once per row (int8_x16, int4_linear) or read W
@@ -26,13 +25,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "int4_block.h"
-#include "tile_chunks.h"  // int8_chunk, int4_chunk, unpacked_byte (AVX512-VBMI builds)
 #include "transpose16.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -40,12 +37,6 @@
 namespace {
 
 constexpr int64_t kNR = 32, kKC = 128, kMR = 8;
-constexpr int64_t kBlock = 64;  // the columns one byte lookup converts (tile_chunks::kChunk)
-#if defined(__AVX512VBMI__)
-constexpr bool kLookups = true;  // int4 W converted by byte lookups, in their order (BlockOrder)
-#else
-constexpr bool kLookups = false;
-#endif
 
 // panel [KC / 2, NR] from rows [NR, KC] (bf16, row-major)
 inline void pack_panel(const at::BFloat16* rows, int32_t* panel) {
@@ -90,28 +81,9 @@ inline void tiles(const int32_t* xs, int64_t M, const int32_t* panel, bool first
   }
 }
 
-// Where W's rows come converted by byte lookups (int4 on AVX512-VBMI builds: tile_chunks.h), each 64-column block's
-// pairs lie in the lookups' order: pair q of a block holds the block's pair units[q] (a pair of columns stays whole),
-// for the blocks below `end` columns (int4: every block of Kp). end 0: every block in column order.
-struct BlockOrder {
-  std::array<int, kBlock / 2> units{};
-  int64_t end = 0;
-};
-
-#if defined(__AVX512VBMI__)
-template <typename ColumnOfByte>
-BlockOrder lookup_order(int64_t end, const ColumnOfByte& column_of_byte) {
-  BlockOrder o;
-  for (int q = 0; q < kBlock / 2; ++q) o.units[q] = column_of_byte(tile_chunks::unpacked_byte(2 * q)) / 2;
-  o.end = end;
-  return o;
-}
-#endif
-
-// x [M, K] as xp [Kx / KC chunks, ceil(M / MR) tiles, KC / 2, MR] int32 pairs, zeros past K and past M, each block's
-// pairs in W's order (`order`): a tile's broadcasts read one stream (x's own rows, Kx / 2 int32 apart, alias in L1
-// at K = 2,048 and 8,192)
-inline std::vector<int32_t> pack_x(const at::BFloat16* x, int64_t M, int64_t K, int64_t Kx, const BlockOrder& order) {
+// x [M, K] as xp [Kx / KC chunks, ceil(M / MR) tiles, KC / 2, MR] int32 pairs, zeros past K and past M: a tile's
+// broadcasts read one stream (x's own rows, Kx / 2 int32 apart, alias in L1 at K = 2,048 and 8,192)
+inline std::vector<int32_t> pack_x(const at::BFloat16* x, int64_t M, int64_t K, int64_t Kx) {
   const int64_t tiles = (M + kMR - 1) / kMR;
   std::vector<int32_t> xp(Kx / kKC * tiles * kKC / 2 * kMR, 0);
   std::vector<at::BFloat16> row(Kx, at::BFloat16(0.f));  // one row of x, zeros past K: Kx / 2 pairs
@@ -120,10 +92,7 @@ inline std::vector<int32_t> pack_x(const at::BFloat16* x, int64_t M, int64_t K, 
     std::copy(x + m * K, x + (m + 1) * K, row.begin());
     for (int64_t chunk = 0; chunk < Kx / kKC; ++chunk) {
       int32_t* to = xp.data() + (chunk * tiles + m / kMR) * kKC / 2 * kMR + m % kMR;
-      for (int64_t j = 0; j < kKC / 2; ++j) {
-        const int64_t unit = chunk * kKC / 2 + j, block = unit / (kBlock / 2) * (kBlock / 2);  // its block's first
-        to[j * kMR] = pairs[2 * block + kBlock <= order.end ? block + order.units[unit - block] : unit];
-      }
+      for (int64_t j = 0; j < kKC / 2; ++j) to[j * kMR] = pairs[chunk * kKC / 2 + j];
     }
   }
   return xp;
@@ -147,8 +116,6 @@ struct Bf16Rows {
   void fetch(int64_t n, int64_t k0) const { fetch_bytes(w + n * K + k0, std::min<int64_t>(K - k0, kKC) * 2); }
 };
 
-// In column order by float conversions: byte lookups (tile_chunks.h's int8_chunk, as int4's below) measured no faster
-// here (AMD EPYC Zen 4, 2 threads, 32 rows of the `1b` shapes: 0.99-1.03x): this loop's time is W's bytes arriving.
 struct Int8Rows {
   const int8_t* w;
   int64_t K;
@@ -168,10 +135,6 @@ struct Int8Rows {
   void fetch(int64_t n, int64_t k0) const { fetch_bytes(w + n * K + k0, std::min<int64_t>(K - k0, kKC)); }
 };
 
-// Whole 64-column blocks: by byte lookups where the CPU has them (tile_chunks.h's int4_chunk, in its order), else by
-// word lookups in column order (int4::block_bf16). The same values; byte lookups, 32 rows of the `1b` shapes on an
-// AMD EPYC Zen 4 (2 threads): 16384 x 2048 10.3 -> 8.5 ms, 3072 x 2048 1.88 -> 1.60, 2048 x 2048 1.32 -> 1.09,
-// 2048 x 8192 4.63 -> 4.44.
 struct Int4Rows {
   const uint8_t* packed;
   const at::Half *scale, *low;
@@ -179,22 +142,14 @@ struct Int4Rows {
   void row(int64_t n, int64_t k0, at::BFloat16* out) const {
     float sc[kKC / int4::kGroup], lo[kKC / int4::kGroup];
     const int64_t len = std::clamp<int64_t>(K - k0, 0, kKC), groups = Kp / int4::kGroup;
-    int64_t written = 0;  // out's positions holding W: column order's up to K, tile_chunks' whole blocks
-    if (len > 0) {  // whole 64-column blocks of the chunk (Kp is a multiple of 64; KC too), by lookup
+    if (len > 0) {  // whole 64-column blocks of the chunk (Kp is a multiple of 64; KC too), by lookup (block_bf16)
       const int64_t span = std::min<int64_t>(kKC, Kp - k0);
-      written = kLookups ? span : len;  // a block's columns past K (finite: its groups' values) meet x's zeros
       int4::row_params(scale + n * groups + k0 / int4::kGroup, low + n * groups + k0 / int4::kGroup,
                        span / int4::kGroup, sc, lo);
-      for (int64_t b = 0; b < span / int4::kBlock; ++b) {
-#if defined(__AVX512VBMI__)  // in tile_chunks' order (BlockOrder)
-        tile_chunks::int4_chunk(packed + n * Kp / 2 + k0 / 2, b, sc, lo, out + b * int4::kBlock,
-                                out + b * int4::kBlock + int4::kBlock / 2);
-#else
+      for (int64_t b = 0; b < span / int4::kBlock; ++b)
         int4::block_bf16(packed + n * Kp / 2 + k0 / 2, b, sc, lo, out + b * int4::kBlock);
-#endif
-      }
     }
-    std::fill(out + written, out + kKC, at::BFloat16(0.f));  // past K (and past the blocks: the chunk's end)
+    std::fill(out + len, out + kKC, at::BFloat16(0.f));  // past K (and past the blocks: the chunk's end)
   }
   void fetch(int64_t n, int64_t k0) const {
     fetch_bytes(packed + n * Kp / 2 + k0 / 2, std::min<int64_t>(Kp - k0, kKC) / 2);
@@ -240,7 +195,7 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a CPU bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), Kx = (K + kKC - 1) / kKC * kKC;
   const torch::Tensor xc = x.contiguous();
-  const auto packed_x = [&](const BlockOrder& order) { return pack_x(xc.data_ptr<at::BFloat16>(), M, K, Kx, order); };
+  const std::vector<int32_t> xp = pack_x(xc.data_ptr<at::BFloat16>(), M, K, Kx);
   int64_t N;
   torch::Tensor y32;
   if (packed.has_value()) {
@@ -248,13 +203,8 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
     const int4::Int4Args a = int4::check_product(x, *packed, *scale, *low);
     N = a.N;
     y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
-#if defined(__AVX512VBMI__)
-    const BlockOrder order = lookup_order(a.Kp, [](int byte) { return int4::block_column(byte); });
-#else
-    const BlockOrder order;
-#endif
     product(Int4Rows{packed->data_ptr<uint8_t>(), scale->data_ptr<at::Half>(), low->data_ptr<at::Half>(), K, a.Kp},
-            packed_x(order), M, N, Kx, y32.data_ptr<float>());
+            xp, M, N, Kx, y32.data_ptr<float>());
   } else {
     TORCH_CHECK(w.has_value() && w->dim() == 2 && w->size(1) == K && w->is_contiguous() && w->device().is_cpu(),
                 "w must be a contiguous CPU [N, K]");
@@ -263,11 +213,11 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
     if (w->scalar_type() == at::kChar) {
       TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N,
                   "int8 needs scale [N] float32");
-      product(Int8Rows{w->data_ptr<int8_t>(), K}, packed_x(BlockOrder{}), M, N, Kx, y32.data_ptr<float>());
+      product(Int8Rows{w->data_ptr<int8_t>(), K}, xp, M, N, Kx, y32.data_ptr<float>());
       y32.mul_(*scale);
     } else {
       TORCH_CHECK(w->scalar_type() == at::kBFloat16 && !scale.has_value(), "w must be bf16, or int8 with scale");
-      product(Bf16Rows{w->data_ptr<at::BFloat16>(), K}, packed_x(BlockOrder{}), M, N, Kx, y32.data_ptr<float>());
+      product(Bf16Rows{w->data_ptr<at::BFloat16>(), K}, xp, M, N, Kx, y32.data_ptr<float>());
     }
   }
   if (bias.has_value()) y32.add_(bias->to(at::kFloat));
