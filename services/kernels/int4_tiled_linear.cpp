@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "int4_block.h"
+#include "tile_chunks.h"  // int4_chunk, unpacked_byte (AVX512-VBMI builds)
 
 namespace {
 
@@ -46,6 +47,41 @@ void tile(const at::BFloat16* const* x, const at::BFloat16* const* w, int64_t Kp
   for (int m = 0; m < kTileM; ++m)
     for (int r = 0; r < kTileN; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
+
+// A W row's blocks (q: its nibbles), dequantized into buf [Kp]: on AVX512-VBMI builds by byte lookups, each 64-column
+// block in their order (tile_chunks.h: position p holds column block_column(unpacked_byte(p))), x's columns put in
+// the same order (ordered_x); elsewhere by word lookups in column order (block_bf16). The same values; a dot along K
+// is the same sum up to float32's order.
+inline void dequantized_row(const uint8_t* q, int64_t Kp, const float* sc, const float* lw, at::BFloat16* buf) {
+  for (int64_t b = 0; b < Kp / kBlock; ++b) {
+#if defined(__AVX512VBMI__)
+    tile_chunks::int4_chunk(q, b, sc, lw, buf + b * kBlock, buf + b * kBlock + kBlock / 2);
+#else
+    block_bf16(q, b, sc, lw, buf + b * kBlock);
+#endif
+  }
+}
+
+// x [M, Kp] (zeros past K) with each block's columns in dequantized_row's order
+inline torch::Tensor ordered_x(const torch::Tensor& x, int64_t Kp) {
+  torch::Tensor xp = padded_x(x, Kp);
+#if defined(__AVX512VBMI__)
+  alignas(64) uint16_t column[kBlock];  // position p's column: a word of the block's two registers
+  for (int p = 0; p < kBlock; ++p) column[p] = static_cast<uint16_t>(block_column(tile_chunks::unpacked_byte(p)));
+  const __m512i first = _mm512_load_si512(column), second = _mm512_load_si512(column + kBlock / 2);
+  torch::Tensor ordered = torch::empty_like(xp);
+  const at::BFloat16* from = xp.data_ptr<at::BFloat16>();
+  at::BFloat16* to = ordered.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < xp.numel(); i += kBlock) {
+    const __m512i a = _mm512_loadu_si512(from + i), b = _mm512_loadu_si512(from + i + kBlock / 2);
+    _mm512_storeu_si512(to + i, _mm512_permutex2var_epi16(a, first, b));
+    _mm512_storeu_si512(to + i + kBlock / 2, _mm512_permutex2var_epi16(a, second, b));
+  }
+  return ordered;
+#else
+  return xp;
+#endif
+}
 #endif
 
 }  // namespace
@@ -56,7 +92,7 @@ torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& pac
   const int64_t M = x.size(0), K = x.size(1), N = w.N, Kp = w.Kp, groups = w.groups;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kBFloat16) {
-    torch::Tensor xp = padded_x(x, Kp);  // [M, Kp]
+    torch::Tensor xp = ordered_x(x, Kp);  // [M, Kp]
     const at::BFloat16* xv = xp.data_ptr<at::BFloat16>();
     torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
     float* y = y32.data_ptr<float>();
@@ -65,13 +101,12 @@ torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& pac
     const at::Half* lo = low.data_ptr<at::Half>();
     at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t c0, int64_t c1) {
       std::vector<float> sc(groups), lw(groups);
-      std::vector<at::BFloat16> buffer(kRows * Kp);  // [R, Kp]: this chunk of W, dequantized (block_bf16's lookup)
+      std::vector<at::BFloat16> buffer(kRows * Kp);  // [R, Kp]: this chunk of W, dequantized (dequantized_row)
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t n0 = c * kRows, rows = std::min(kRows, N - n0);
         for (int64_t r = 0; r < rows; ++r) {
           row_params(s + (n0 + r) * groups, lo + (n0 + r) * groups, groups, sc.data(), lw.data());
-          for (int64_t b = 0; b < Kp / kBlock; ++b)
-            block_bf16(q + (n0 + r) * Kp / 2, b, sc.data(), lw.data(), buffer.data() + r * Kp + b * kBlock);
+          dequantized_row(q + (n0 + r) * Kp / 2, Kp, sc.data(), lw.data(), buffer.data() + r * Kp);
         }
         for (int64_t m0 = 0; m0 < M; m0 += kTileM)
           for (int64_t r0 = 0; r0 < rows; r0 += kTileN) {
