@@ -105,12 +105,12 @@ static torch::Tensor w8a8_product(const torch::Tensor& x, const torch::Tensor& w
   return y;
 }
 
-#endif  // AVX512-VNNI or AVX2
-
 torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias) {
   return w8a8_product(x, w, scale, bias, false);
 }
+
+#endif  // AVX512-VNNI or AVX2 (elsewhere neither is built nor bound: bindings.cpp)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 torch::Tensor w8a8_panel_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
