@@ -62,25 +62,21 @@ inline void dequantized_row(const uint8_t* q, int64_t Kp, const float* sc, const
   }
 }
 
-// x [M, Kp] (zeros past K) with each block's columns in dequantized_row's order
+// x [M, Kp] (zeros past K) with each block's columns in dequantized_row's order (permuted in place, a block at a time)
 inline torch::Tensor ordered_x(const torch::Tensor& x, int64_t Kp) {
   torch::Tensor xp = padded_x(x, Kp);
 #if defined(__AVX512VBMI__)
   alignas(64) uint16_t column[kBlock];  // position p's column: a word of the block's two registers
   for (int p = 0; p < kBlock; ++p) column[p] = static_cast<uint16_t>(block_column(tile_chunks::unpacked_byte(p)));
   const __m512i first = _mm512_load_si512(column), second = _mm512_load_si512(column + kBlock / 2);
-  torch::Tensor ordered = torch::empty_like(xp);
-  const at::BFloat16* from = xp.data_ptr<at::BFloat16>();
-  at::BFloat16* to = ordered.data_ptr<at::BFloat16>();
+  at::BFloat16* block = xp.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < xp.numel(); i += kBlock) {
-    const __m512i a = _mm512_loadu_si512(from + i), b = _mm512_loadu_si512(from + i + kBlock / 2);
-    _mm512_storeu_si512(to + i, _mm512_permutex2var_epi16(a, first, b));
-    _mm512_storeu_si512(to + i + kBlock / 2, _mm512_permutex2var_epi16(a, second, b));
+    const __m512i a = _mm512_loadu_si512(block + i), b = _mm512_loadu_si512(block + i + kBlock / 2);
+    _mm512_storeu_si512(block + i, _mm512_permutex2var_epi16(a, first, b));
+    _mm512_storeu_si512(block + i + kBlock / 2, _mm512_permutex2var_epi16(a, second, b));
   }
-  return ordered;
-#else
-  return xp;
 #endif
+  return xp;
 }
 #endif
 
