@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.report import environment, format_table, write_results
 from services.hardware_peaks import fastest_float32_product
-from services.kernels.linear_candidates import SKINNY_VARIANTS
+from services.kernels.stream_variants import SKINNY_VARIANTS
 
 
 def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1, device: str = "cpu") -> float:

@@ -14,9 +14,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from services.kernels.linear_candidates import SKINNY_VARIANTS, onednn_linear
+from services.kernels.linear_candidates import onednn_linear
 from services.kernels.native import load
 from services.kernels.onednn_packs import ONEDNN_PACKS
+from services.kernels.stream_variants import SKINNY_VARIANTS
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from services.kernels import cold_cache, kernel_plan
 from services.kernels.kernel_plan import BUCKETS, KernelPlan, bucket_of
-from services.kernels.linear_candidates import SKINNY_VARIANTS, candidates
+from services.kernels.linear_candidates import candidates
 from services.kernels.native import build_key, cpu_model, load
 from services.kernels.onednn_packs import ONEDNN_PACKS
+from services.kernels.stream_variants import SKINNY_VARIANTS
 from services.quantized_weight import Int8Weight
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from services.attention import AttentionMetadata, torch_decode_attention
 from services.kernels import native as native_build
-from services.kernels.linear_candidates import SKINNY_VARIANTS
+from services.kernels.stream_variants import SKINNY_VARIANTS
 from services.quantized_weight import Int8Weight
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2),

@@ -4,6 +4,7 @@ bit for bit, w8a8_linear.cpp; on CPUs with AMX for 2-64 rows also `native.w8a8.a
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -65,19 +66,25 @@ def test_the_native_kernel_is_the_definition_bit_for_bit(dtype):
     if not hasattr(built, "w8a8_linear"):
         pytest.skip("the native w8a8 kernel is built on CPUs with AVX2 or AVX512-VNNI only")
     kernels = [built.w8a8_linear] + ([built.w8a8_panel_linear] if hasattr(built, "w8a8_panel_linear") else [])
+    if hasattr(built, "w8a8_row_linear"):  # W streamed row by row, as 1, 2 or 4 parts (AVX512-VNNI builds)
+        kernels += [functools.partial(built.w8a8_row_linear, streams=s, non_temporal=nt)
+                    for s, nt in itertools.product((1, 2, 4), (False, True))]
     g = torch.Generator().manual_seed(3)
-    # odd shapes: K past whole vector steps (64 / 32 columns) and 4-column groups, N past whole tiles, 32-row blocks
-    # and 12-row groups, M past 4-row tiles and 16-row panels (33: a tile of two panels, then one of one); the
-    # panels' W rows read in place (K 128, whole groups) and from their copy (K 4,096, K past whole lines, N past
-    # whole groups)
+    # odd shapes: K past whole vector steps (64 / 32 columns), 4-column groups and the rows' 4-step rounds, N past
+    # whole tiles, 32-row blocks, 12-row groups and 4-part chunks, M past 4-row tiles and 16-row panels (33: a tile of
+    # two panels, then one of one); the panels' W rows read in place (K 128, whole groups) and from their copy
+    # (K 4,096, K past whole lines, N past whole groups)
     shapes = ((1, 37, 100), (5, 33, 129), (9, 70, 257), (33, 129, 515), (2, 1, 1), (17, 24, 2050), (33, 24, 128),
-              (17, 24, 4096))
+              (17, 24, 4096), (1, 301, 1000))
     x, weight, bias = _assert_the_definition(kernels, shapes, dtype, g)
     for kernel in kernels:
         with pytest.raises(RuntimeError, match="bias"):
             kernel(x, weight.qweight, weight.scale, bias[:-1])
         with pytest.raises(RuntimeError, match="x float32, bf16 or fp16"):
             kernel(x.double(), weight.qweight, weight.scale, None)
+    if hasattr(built, "w8a8_row_linear"):
+        with pytest.raises(RuntimeError, match="streams must be 1, 2 or 4, got 3"):
+            built.w8a8_row_linear(x, weight.qweight, weight.scale, None, 3, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -149,6 +156,9 @@ def test_int8_weights_never_get_the_dynamic_kernel_and_w8a8_only_it():
         expected += ["native.w8a8"] if hasattr(built, "w8a8_linear") else []
         if max_rows > 8 and hasattr(built, "w8a8_panel_linear"):  # its other tiles, for many rows (AVX512-VNNI)
             expected.append("native.w8a8.panels")
+        if max_rows == 1 and hasattr(built, "w8a8_row_linear"):  # W row by row, for one row (AVX512-VNNI)
+            expected += ["native.w8a8.row", "native.w8a8.row.4streams", "native.w8a8.row.nt",
+                         "native.w8a8.row.4streams.nt"]
         assert list(candidates("w8a8", True, 96, max_rows, built)) == expected  # the same definition, bit for bit
     assert "int8.dynamic" not in candidates("w8a8", False, 96, 1 << 62, None)  # CPU only (untested elsewhere)
 

@@ -45,6 +45,8 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_panel_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                                 const c10::optional<torch::Tensor>& bias);
+torch::Tensor w8a8_row_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                              const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
 std::tuple<torch::Tensor, torch::Tensor> w8a8_round_rows(const torch::Tensor& x);
 torch::Tensor w8a8_scale_products(const torch::Tensor& dots, const torch::Tensor& xs, const torch::Tensor& scale,
                                   const c10::optional<torch::Tensor>& bias, const torch::Tensor& like);
@@ -146,6 +148,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "w8a8_linear's product bit for bit by other register tiles (w8a8_x_panels.h): x packed into 16-row panels, "
         "W's rows broadcast four bytes at a time; for many rows (AVX512-VNNI CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
+  m.def("w8a8_row_linear", &w8a8_row_linear,
+        "w8a8_linear's product bit for bit with W streamed row by row, as `streams` parts (1, 2 or 4) read together, "
+        "prefetched past the caches (non_temporal) or into them; for one row of x (AVX512-VNNI CPUs)",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("streams"), py::arg("non_temporal"));
 #endif
   m.def("int4_dequantize", &int4_dequantize, "W from group-wise int4, into out [N, in_features] (its dtype)");
   m.def("prefill_attention", &prefill_attention,

@@ -44,6 +44,13 @@ torch::Tensor int8_x16_linear(const torch::Tensor& x, const torch::Tensor& w, co
 #define PDSERVE_INT8_DIGITS
 torch::Tensor int8_digits_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                                  const c10::optional<torch::Tensor>& bias);
+torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& bias);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PDSERVE_W8A8_ROWS
+torch::Tensor w8a8_row_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                              const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
 #endif
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
@@ -64,6 +71,10 @@ ChainProduct::ChainProduct(std::string name, std::vector<c10::optional<torch::Te
 #endif
 #if defined(PDSERVE_INT8_DIGITS)
   else if (name == "int8_digits") kernel = Kernel::kInt8Digits, want_tensors = 2, want_options = 0;
+  else if (name == "w8a8") kernel = Kernel::kW8a8, want_tensors = 2, want_options = 0;
+#endif
+#if defined(PDSERVE_W8A8_ROWS)
+  else if (name == "w8a8_row") kernel = Kernel::kW8a8Row, want_tensors = 2;
 #endif
   else if (name == "call") kernel = Kernel::kCall, want_options = 0;
   else TORCH_CHECK(false, "no chain kernel named ", name, " in this build");
@@ -84,6 +95,10 @@ torch::Tensor ChainProduct::operator()(const torch::Tensor& x) const {
 #endif
 #if defined(PDSERVE_INT8_DIGITS)
     case Kernel::kInt8Digits: return int8_digits_linear(x, *tensors[0], *tensors[1], bias);
+    case Kernel::kW8a8: return w8a8_linear(x, *tensors[0], *tensors[1], bias);
+#endif
+#if defined(PDSERVE_W8A8_ROWS)
+    case Kernel::kW8a8Row: return w8a8_row_linear(x, *tensors[0], *tensors[1], bias, options[0], options[1]);
 #endif
     default: {
       py::gil_scoped_acquire python;  // run() let go of it

@@ -5,7 +5,7 @@ Between two weight streams the forward's loop runs ~12 torch operators a layer f
 Python's and torch's code and data after every product had streamed a weight through them. The chain runs the same
 kernels in the same order from C++, so its values are the forward's bit for bit: each product is the kernel the
 plan chose for the step's row count, called directly where it is a native one (decode_chain.h lists which) and
-through the plan's own Python function otherwise (oneDNN, torch, w4a8, w8a8).
+through the plan's own Python function otherwise (oneDNN, torch, w4a8, w8a8's panels).
 
 Used for decode-only steps (one new token per sequence) on a CPU with the native build and the native decode
 attention chosen, without tensor parallelism; elsewhere the forward's loop runs. One chain per row bucket, built on
@@ -21,7 +21,7 @@ import torch
 from services.attention import AttentionMetadata
 from services.int4_weight import Int4Weight
 from services.kernels.kernel_plan import bucket_of
-from services.kernels.linear_candidates import SKINNY_VARIANTS, X16_VARIANTS, parts_name
+from services.kernels.stream_variants import SKINNY_VARIANTS, X16_VARIANTS, parts_name
 from services.quantized_weight import Int8Weight
 from services.w4a8_weight import W4A8Weight
 
@@ -43,6 +43,12 @@ def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> 
         for kernel, candidate in (("int4_x16", "native.x16"), ("int4", "native")):
             if (options := _parts_options(name, candidate)) is not None:
                 return kernel, [weight.packed, weight.scale, weight.low], options
+        return "call", [], []
+    if isinstance(weight, Int8Weight) and weight.dynamic_activations:  # w8a8: each kernel rounds x itself
+        if name == "native.w8a8":
+            return "w8a8", [weight.qweight, weight.scale], []
+        if (options := _parts_options(name, "native.w8a8.row")) is not None:
+            return "w8a8_row", [weight.qweight, weight.scale], options
         return "call", [], []
     values, scale = (weight.qweight, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
     if name in SKINNY_VARIANTS:

@@ -17,6 +17,7 @@ from services.int4_weight import GROUP, Int4Weight
 from services.kernels.batch_candidates import batch_candidates
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.onednn_packs import ONEDNN_PACKS
+from services.kernels.stream_variants import SKINNY_VARIANTS, X16_VARIANTS, parts_name
 from services.kernels.w4a8_candidates import w4a8_candidates
 from services.kernels.w8a8_candidates import w8a8_candidates
 from services.quantized_weight import Int8Weight
@@ -137,25 +138,6 @@ def _native_int4(kernel: Callable, *options: int) -> LinearFn:
     def int4(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         return kernel(x, weight.packed, weight.scale, weight.low, bias, *options)
     return int4
-
-
-# skinny_linear's variants by candidate name: (W rows in flight per thread, non_temporal prefetch, the rows one
-# from each quarter of the rows a thread takes at a time); the read ceilings time them too (services/hardware_peaks.py,
-# benchmarks/ceilings.py)
-SKINNY_VARIANTS = {"native": (1, False, False), "native.4rows": (4, False, False), "native.4rows.nt": (4, True, False),
-                   "native.4parts": (4, False, True), "native.4parts.nt": (4, True, True)}
-# x16 kernels: each thread's W rows also read as this many parts, a row of each together for one x row, in turn
-# for several (x16_groups.h: more of W in flight where the kernel waits on memory; where it waits on its
-# arithmetic, one part wins). Together, on a Zen 2: a whole int8 `1b` decode step 47.7 -> 39.8 ms, int4 36.5 -> 34.0
-X16_STREAMS = 4
-# (streams, non_temporal): each as one part or X16_STREAMS, W prefetched into the caches or past them (a whole
-# int8 / int4 `1b` decode step 9% faster past them on a Zen 2: 56.5 -> 51.3 ms, 38.5 -> 35.1 ms)
-X16_VARIANTS = ((1, False), (X16_STREAMS, False), (1, True), (X16_STREAMS, True))
-
-
-def parts_name(kernel: str, streams: int, non_temporal: bool) -> str:
-    """The candidate name of `kernel` reading W as `streams` parts, prefetched past the caches or not."""
-    return kernel + (f".{streams}streams" if streams > 1 else "") + (".nt" if non_temporal else "")
 
 
 def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None,

@@ -10,6 +10,8 @@ plan may time them at every row count:
   where `_int_mm` is fast (AMX) the operators around it were most of the time;
 - `native.w8a8` (and, for 9+ rows on AVX512-VNNI CPUs, `native.w8a8.panels`): the whole product native
   (w8a8_linear.cpp: vpdpbusd, or vpmaddubsw on AVX2 CPUs);
+- `native.w8a8.row*` (one row, AVX512-VNNI CPUs): the same with W streamed row by row, as 1 or 4 parts, prefetched
+  into the caches or past them (stream_variants.X16_VARIANTS' names);
 - `native.w8a8.amx` (2-64 rows, K a multiple of 64, CPUs with AMX): the same with the products on the tile unit
   (amx_w8a8_linear.cpp: tdpbssd).
 Off the CPU w8a8 runs int8's weight-only products (linear_candidates.py).
@@ -23,6 +25,7 @@ from types import ModuleType
 import torch
 
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
+from services.kernels.stream_variants import X16_VARIANTS, parts_name
 from services.quantized_weight import Int8Weight
 
 W8A8Fn = Callable[[torch.Tensor, Int8Weight, "torch.Tensor | None"], torch.Tensor]
@@ -51,11 +54,11 @@ def _int8_dynamic_native(native: ModuleType) -> W8A8Fn:
     return w8a8
 
 
-def _native_w8a8(kernel: Callable) -> W8A8Fn:
+def _native_w8a8(kernel: Callable, *options: int) -> W8A8Fn:
+    # options: the kernel's own trailing arguments (w8a8_row_linear's streams and non_temporal)
     def w8a8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, weight.qweight, weight.scale, None if bias is None else bias.to(x.dtype))
+        return kernel(x, weight.qweight, weight.scale, None if bias is None else bias.to(x.dtype), *options)
     return w8a8
-
 
 
 def w8a8_candidates(native: ModuleType | None, max_rows: int, in_features: int) -> dict[str, W8A8Fn]:
@@ -70,6 +73,10 @@ def w8a8_candidates(native: ModuleType | None, max_rows: int, in_features: int) 
         # the same product by other register tiles (w8a8_x_panels.h): 1.1-1.4x at 16-256 rows with K 2,048,
         # 0.75-0.85x with K 8,192 (AMD EPYC Zen 4), so both are timed
         found["native.w8a8.panels"] = _native_w8a8(native.w8a8_panel_linear)
+    if native is not None and max_rows == 1 and hasattr(native, "w8a8_row_linear"):
+        # one row: W streamed row by row instead of 4 rows a tile (w8a8_linear.cpp's row_product)
+        for streams, nt in X16_VARIANTS:
+            found[parts_name("native.w8a8.row", streams, nt)] = _native_w8a8(native.w8a8_row_linear, streams, nt)
     if (native is not None and 1 < max_rows <= 64 and in_features % 64 == 0 and hasattr(native, "amx_w8a8_linear")
             and native.amx_ready()):
         # the products on the tile unit (amx_w8a8_linear.cpp); past 64 rows oneDNN's `_int_mm` (int8.dynamic*)
