@@ -46,6 +46,8 @@ torch::Tensor int8_digits_linear(const torch::Tensor& x, const torch::Tensor& w,
                                  const c10::optional<torch::Tensor>& bias);
 torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias);
+torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PDSERVE_W8A8_ROWS
@@ -72,6 +74,7 @@ ChainProduct::ChainProduct(std::string name, std::vector<c10::optional<torch::Te
 #if defined(PDSERVE_INT8_DIGITS)
   else if (name == "int8_digits") kernel = Kernel::kInt8Digits, want_tensors = 2, want_options = 0;
   else if (name == "w8a8") kernel = Kernel::kW8a8, want_tensors = 2, want_options = 0;
+  else if (name == "w4a8") kernel = Kernel::kW4a8, want_tensors = 3, want_options = 1;
 #endif
 #if defined(PDSERVE_W8A8_ROWS)
   else if (name == "w8a8_row") kernel = Kernel::kW8a8Row, want_tensors = 2;
@@ -96,6 +99,7 @@ torch::Tensor ChainProduct::operator()(const torch::Tensor& x) const {
 #if defined(PDSERVE_INT8_DIGITS)
     case Kernel::kInt8Digits: return int8_digits_linear(x, *tensors[0], *tensors[1], bias);
     case Kernel::kW8a8: return w8a8_linear(x, *tensors[0], *tensors[1], bias);
+    case Kernel::kW4a8: return w4a8_linear(x, *tensors[0], *tensors[1], *tensors[2], options[0], bias);
 #endif
 #if defined(PDSERVE_W8A8_ROWS)
     case Kernel::kW8a8Row: return w8a8_row_linear(x, *tensors[0], *tensors[1], bias, options[0], options[1]);

@@ -5,7 +5,7 @@ Between two weight streams the forward's loop runs ~12 torch operators a layer f
 Python's and torch's code and data after every product had streamed a weight through them. The chain runs the same
 kernels in the same order from C++, so its values are the forward's bit for bit: each product is the kernel the
 plan chose for the step's row count, called directly where it is a native one (decode_chain.h lists which) and
-through the plan's own Python function otherwise (oneDNN, torch, w4a8, w8a8's panels).
+through the plan's own Python function otherwise (oneDNN, torch, w8a8's panels).
 
 Used for decode-only steps (one new token per sequence) on a CPU with the native build and the native decode
 attention chosen, without tensor parallelism; elsewhere the forward's loop runs. One chain per row bucket, built on
@@ -37,7 +37,9 @@ def _parts_options(name: str, kernel: str) -> list[int] | None:
 def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> tuple[str, list, list[int]]:
     """How decode_chain.cpp runs candidate `name` (linear_candidates.py) on `weight` itself: (kernel, tensors,
     options) of the native kernel that candidate calls, or ("call", [], []) where only its Python function can."""
-    if isinstance(weight, W4A8Weight):  # its x is rounded in Python first (w4a8_candidates.py)
+    if isinstance(weight, W4A8Weight):  # its native kernel rounds x itself; the definition's torch operators: called
+        if name == "native.w4a8":
+            return "w4a8", [weight.packed, weight.scale, weight.low], [weight.out_features]
         return "call", [], []
     if isinstance(weight, Int4Weight):
         for kernel, candidate in (("int4_x16", "native.x16"), ("int4", "native")):
