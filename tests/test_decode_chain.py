@@ -84,6 +84,23 @@ def test_batched_decode_steps_sample_what_the_loop_samples(native, tiny_path, ba
     assert len(with_chain[0][0]) == 10
 
 
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "w8a8", "w4a8"])
+def test_a_qkv_bias_in_the_chain(native, tiny_path, quantization):
+    # Qwen2 adds a bias to its qkv product: each native kernel takes it as the Python function would (in x's dtype)
+    engine = Engine(tiny_path, dtype="bfloat16", quantization=quantization, kernels="native", block_size=4)
+    model = engine.runner.model
+    c = model.config
+    generator = torch.Generator().manual_seed(5)
+    for layer in model.layers:
+        layer.qkv_bias = torch.randn((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, generator=generator).bfloat16()
+    model.chains = DecodeChains.for_model(model)
+    loop, chain = loop_and_chain_logits(engine, PROMPT)
+    assert torch.equal(loop, chain)
+    without = engine_logits(Engine(tiny_path, dtype="bfloat16", quantization=quantization, kernels="native",
+                                   block_size=4), PROMPT, 1)
+    assert not torch.equal(without, chain)  # the bias was added
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_per_head_q_and_k_norms_in_the_chain(native, tiny_path, dtype):
     # Qwen3 normalizes each head of q and k before the rotation: the chain in the same torch operators
