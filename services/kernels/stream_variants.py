@@ -10,7 +10,8 @@ SKINNY_VARIANTS = {"native": (1, False, False), "native.4rows": (4, False, False
                    "native.4parts": (4, False, True), "native.4parts.nt": (4, True, True)}
 # The row-by-row kernels (x16_groups.h's, int4_linear, w8a8_row_linear): each thread's W rows also read as this many
 # parts, a row of each together for one x row, in turn for several (more of W in flight where the kernel waits on
-# memory; where it waits on its arithmetic, one part wins). Together, on a Zen 2: a whole int8 `1b` decode step 47.7 -> 39.8 ms, int4 36.5 -> 34.0
+# memory; where it waits on its arithmetic, one part wins). Together, on a Zen 2: a whole int8 `1b` decode step
+# 47.7 -> 39.8 ms, int4 36.5 -> 34.0
 X16_STREAMS = 4
 # (streams, non_temporal): each as one part or X16_STREAMS, W prefetched into the caches or past them (a whole
 # int8 / int4 `1b` decode step 9% faster past them on a Zen 2: 56.5 -> 51.3 ms, 38.5 -> 35.1 ms)
