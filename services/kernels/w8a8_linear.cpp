@@ -36,6 +36,7 @@
 #include "int8_dot_tiles.h"  // tile, kMR, kNR, kStep, kOffset
 #include "row_rounding.h"  // RoundedX, round_rows
 #include "w8a8_x_panels.h"  // panel_product (AVX512-VNNI)
+#include "x16_groups.h"  // kPrefetchBytes, with_prefetch_locality (the row route, AVX512-VNNI)
 
 namespace {
 
@@ -59,12 +60,10 @@ void block_tile(const RoundedX& x, int64_t m0, const int8_t* w, int64_t n0, int6
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// W prefetched this far ahead of the rows read, in all (each of R streams a 1 / R of it), as the x16 kernels do
-constexpr int64_t kStreamBytes = 8192;
-
 // dots[r] = xq . W row r + kOffset * sum(xq), exact in int32, for R W rows `apart` rows from one to the next, read
-// together; each row's bytes prefetched kStreamBytes / R ahead (into the rows after it in its stream) into the caches
-// or past them (Locality 0). Four accumulators in all hide vpdpbusd's latency.
+// together; each row's bytes prefetched x16_groups.h's kPrefetchBytes / R ahead (into the rows after it in its stream),
+// into the caches or past them (Locality 0), as the x16 kernels read W. Four accumulators in all hide vpdpbusd's
+// latency.
 template <int R, int Locality>
 inline void row_dots(const int8_t* xq, const int8_t* w, int64_t K, int64_t apart, int32_t dots[R]) {
   constexpr int kPhases = 4 / R;  // accumulators per W row, over interleaved steps of K
@@ -80,7 +79,7 @@ inline void row_dots(const int8_t* xq, const int8_t* w, int64_t K, int64_t apart
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int8_t* at = w + r * apart * K + k + p * kStep;
-        __builtin_prefetch(at + kStreamBytes / R, 0, Locality);
+        __builtin_prefetch(at + kPrefetchBytes / R, 0, Locality);
         dpbusd(acc[r][p], _mm512_xor_si512(_mm512_loadu_si512(at), flip), xv);
       }
     }
@@ -139,9 +138,9 @@ void product(const T* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const
   if (route.kind == Route::Kind::kPanels) return panel_product(rounded, M, w, N, K, scale, bias, y);
   if (route.kind == Route::Kind::kRows) {
     const auto rows = [&](auto parts) {
-      constexpr int R = decltype(parts)::value;
-      if (route.non_temporal) row_product<R, 0>(rounded, M, w, N, K, scale, bias, y);
-      else row_product<R, 3>(rounded, M, w, N, K, scale, bias, y);
+      with_prefetch_locality(route.non_temporal, [&](auto locality) {
+        row_product<decltype(parts)::value, decltype(locality)::value>(rounded, M, w, N, K, scale, bias, y);
+      });
     };
     if (route.streams == 4) return rows(std::integral_constant<int, 4>{});
     if (route.streams == 2) return rows(std::integral_constant<int, 2>{});
