@@ -172,7 +172,7 @@ def test_packed_copies_are_kept_only_where_chosen_and_only_when_they_fit(cache_d
     # both 32 x 16 weights hold a packed copy (the second was never timed); the 16 x 32 one's, made by its
     # timing, was dropped
     assert [ONEDNN_PACKS.holds(w) for w in mats] == [True, False, True]
-    assert plan.packed_bytes == 2 * 32 * 16 * 4 and "oneDNN packed copies" in plan.summary
+    assert plan.packed_bytes == 2 * 32 * 16 * 4 and "copies in kernels' layouts" in plan.summary
     x = torch.randn(70, 16)
     assert torch.allclose(plan.linear(x, mats[2]), F.linear(x, mats[2]), rtol=1e-5, atol=1e-5)  # the packed one
     # where two copies would not fit, packing is not even timed

@@ -14,6 +14,9 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low, const c10::optional<torch::Tensor>& bias, int64_t streams,
                           bool non_temporal);
+torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                                const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias,
+                                int64_t streams, bool non_temporal);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -91,6 +94,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"));
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  m.def("int4_panel_linear", &int4_panel_linear,
+        "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]), W group-wise int4 in 16-row panels (int4_panels.py's copy of an "
+        "Int4Weight), bf16 products (vdpbf16ps); for one x row each thread reads its panels as `streams` (1, 2 or 4) "
+        "parts, prefetched into the caches or past them (non_temporal) (AVX512-BF16 CPUs)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("bias"),
+        py::arg("streams") = 1, py::arg("non_temporal") = false);
   m.def("pair_tiled_linear", &pair_tiled_linear,
         "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]) for batches, W bf16 (w), int8 (w, scale [N]) or group-wise int4 "
         "(packed, scale, low): W converted once a call into bf16 pair panels, vdpbf16ps register tiles "

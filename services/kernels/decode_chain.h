@@ -14,13 +14,17 @@
 //          "int8_digits", "w8a8": tensors (w [N, D] int8, scale [N]), no options    (AVX512-VNNI or AVX2 builds)
 //          "w8a8_row": tensors (w [N, D] int8, scale [N]), options (streams, non_temporal)  (AVX512-VNNI builds)
 //          "w4a8":     tensors (packed, scale, low) of a W4A8Weight, options (out_features)  (AVX512-VNNI or AVX2 builds)
+//          "int4_panels": tensors (packed, scale, low) of an Int4Weight's panel copy (int4_panels.py), options
+//                      (out_features, streams, non_temporal)                                  (AVX512-BF16 builds)
 //          "call":     call(x) -> y, the weight and bias bound in (no tensors, no options)
 struct ChainProduct {
   ChainProduct(std::string kernel, std::vector<c10::optional<torch::Tensor>> tensors, c10::optional<torch::Tensor> bias,
                std::vector<int64_t> options, py::object call);
   torch::Tensor operator()(const torch::Tensor& x) const;
 
-  enum class Kernel { kSkinny, kInt8X16, kInt4, kInt4X16, kInt8Digits, kW8a8, kW8a8Row, kW4a8, kCall } kernel;
+  enum class Kernel {
+    kSkinny, kInt8X16, kInt4, kInt4X16, kInt8Digits, kW8a8, kW8a8Row, kW4a8, kInt4Panels, kCall
+  } kernel;
   std::vector<c10::optional<torch::Tensor>> tensors;
   c10::optional<torch::Tensor> bias;
   std::vector<int64_t> options;

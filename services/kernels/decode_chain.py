@@ -20,8 +20,9 @@ import torch
 
 from services.attention import AttentionMetadata
 from services.int4_weight import Int4Weight
+from services.kernels.int4_panels import INT4_PANELS
 from services.kernels.kernel_plan import bucket_of
-from services.kernels.stream_variants import SKINNY_VARIANTS, X16_VARIANTS, parts_name
+from services.kernels.stream_variants import PANEL_VARIANTS, SKINNY_VARIANTS, X16_VARIANTS, parts_name
 from services.quantized_weight import Int8Weight
 from services.w4a8_weight import W4A8Weight
 
@@ -45,6 +46,9 @@ def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> 
         for kernel, candidate in (("int4_x16", "native.x16"), ("int4", "native")):
             if (options := _parts_options(name, candidate)) is not None:
                 return kernel, [weight.packed, weight.scale, weight.low], options
+        panels = next(([s, int(nt)] for s, nt in PANEL_VARIANTS if parts_name("native.panels", s, nt) == name), None)
+        if panels is not None:
+            return "int4_panels", list(INT4_PANELS.copy(weight)), [weight.shape[0], *panels]
         return "call", [], []
     if isinstance(weight, Int8Weight) and weight.dynamic_activations:  # w8a8: each kernel rounds x itself
         if name == "native.w8a8":

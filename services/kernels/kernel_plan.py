@@ -29,6 +29,7 @@ from services.int4_weight import Int4Weight
 from services.kernels import attention_choice
 from services.kernels import native as native_build
 from services.kernels.cold_cache import ColdCache
+from services.kernels.int4_panels import INT4_PANELS
 from services.kernels.linear_candidates import LinearFn, candidates
 from services.kernels.onednn_packs import ONEDNN_PACKS, fits
 from services.quantized_weight import Int8Weight
@@ -62,7 +63,7 @@ class KernelPlan:
     attention_choice: str  # "torch" | "native"
     native: ModuleType | None
     device: torch.device
-    packed_bytes: int = 0  # oneDNN packed copies kept beside their weights (onednn_packs.py)
+    packed_bytes: int = 0  # copies kept beside their weights (onednn_packs.py, int4_panels.py)
     prefill_choice: str = "torch"  # "torch" | "native"
     summary: str = ""
     _table: dict[tuple, tuple[LinearFn, ...]] = field(default_factory=dict, init=False, repr=False)
@@ -115,8 +116,10 @@ class KernelPlan:
         cache = ChoiceCache.open(native)
         started, cpu_started, measured = time.perf_counter(), time.process_time(), 0
         dense = {id(w): w for w in weights if isinstance(w, torch.Tensor)}
-        # oneDNN's packed copies are a second copy of a weight: offered only where all of them would fit
-        packed = device.type == "cpu" and mode != "native" and fits(sum(w.nbytes for w in dense.values()))
+        int4 = {id(w): w for w in weights if type(w) is Int4Weight}  # not W4A8Weight: its own kernel reads panels
+        # oneDNN's packed copies and int4's panels are a second copy of a weight: offered only where all would fit
+        packed = (device.type == "cpu" and mode != "native"
+                  and fits(sum(w.nbytes for w in (*dense.values(), *int4.values()))))
         choices: dict[tuple, tuple[str, ...]] = {}
         cold = ColdCache.for_weights(weights, device, getattr(native, "flush_cache_lines", None))
         for weight in weights:
@@ -164,26 +167,33 @@ class KernelPlan:
         busy = device.type == "cpu" and cpu < 0.7 * wall * torch.get_num_threads()
         if not busy:
             cache.save()
-        plan = cls(choices, attention, native, device, packed_bytes=_keep_chosen_packs(dense.values(), choices),
-                   prefill_choice=prefill)
+        plan = cls(choices, attention, native, device, prefill_choice=prefill,
+                   packed_bytes=_keep_chosen_copies(dense.values(), int4.values(), choices))
         where = (f"measured {measured} in {wall:.1f} s{', host busy: not cached' if busy else ''}" if measured
                  else "from the cache")
         plan.summary = (f"kernels on {native_build.cpu_model()}, {torch.get_num_threads()} threads, mode {mode} "
                         f"({where}): native {'built' if native else 'off'}; decode attention {attention}; prefill attention {prefill}; "
-                        f"oneDNN packed copies {plan.packed_bytes / 2**20:.0f} MiB; linear "
+                        f"copies in kernels' layouts {plan.packed_bytes / 2**20:.0f} MiB; linear "
                         + "; ".join(f"{k}: {'/'.join(v.values())}" for k, v in plan.describe()["linear"].items()))
         return plan
 
 
-def _keep_chosen_packs(dense: Iterable[torch.Tensor], choices: dict[tuple, tuple[str, ...]]) -> int:
-    """Pack now every dense weight whose plan chose oneDNN's packed copy (not in the first request), drop
-    the copies timing made of the others; returns the bytes kept."""
+def _keep_chosen_copies(dense: Iterable[torch.Tensor], int4: Iterable[Int4Weight],
+                        choices: dict[tuple, tuple[str, ...]]) -> int:
+    """Make now (not in the first request) the copy of every weight whose plan chose a kernel reading its own copy
+    (oneDNN's packed dense weights, int4's panels), drop the copies timing made of the others; returns the bytes
+    kept."""
     kept = 0
     for weight in dense:
         if "onednn.packed" in choices[weight_key(weight)]:
             kept += ONEDNN_PACKS.packed(weight).numel() * weight.element_size()
         else:
             ONEDNN_PACKS.drop(weight)
+    for weight in int4:
+        if any(name.startswith("native.panels") for name in choices[weight_key(weight)]):
+            kept += INT4_PANELS.copy(weight).nbytes
+        else:
+            INT4_PANELS.drop(weight)
     return kept
 
 

@@ -16,6 +16,10 @@ X16_STREAMS = 4
 # (streams, non_temporal): each as one part or X16_STREAMS, W prefetched into the caches or past them (a whole
 # int8 / int4 `1b` decode step 9% faster past them on a Zen 2: 56.5 -> 51.3 ms, 38.5 -> 35.1 ms)
 X16_VARIANTS = ((1, False), (X16_STREAMS, False), (1, True), (X16_STREAMS, True))
+# int4_panel_linear's, for one x row: its panels as 1, 2 or 4 parts (2 or 4 parts the fastest by turns, 1 slower:
+# AMD EPYC Zen 4, 2 threads, the `1b` shapes from memory), prefetched into the caches or past them; for several rows
+# the parts change nothing
+PANEL_VARIANTS = tuple((streams, nt) for nt in (False, True) for streams in (1, 2, 4))
 
 
 def parts_name(kernel: str, streams: int, non_temporal: bool) -> str:

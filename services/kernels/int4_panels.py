@@ -1,0 +1,96 @@
+"""Int4 weights copied into 16-row panels for int4_panel_linear.cpp, made once and kept beside the weight where the
+kernel plan chose that kernel.
+
+Why a copy: the panel kernel reads an int4 weight's bytes 1.1-1.6x faster at one row of bf16 x than the kernels of
+its row layout (AMD EPYC Zen 4, 2 threads: docs/kernels.md), but the row layout is what the batch, tile and prefill
+kernels read (int4_block.h). So, as with oneDNN's packed copies (onednn_packs.py), a weight the plan gives to the
+panels keeps both: the copy costs the weight's bytes again (0.625 a weight), offered only where every int4 weight's
+copy fits (`fits`) and kept only for the weights whose plan chose it.
+
+Legend (int4_panel_linear.cpp's): N rows, Kp columns padded to whole 64-column blocks, P = ceil(N / 16) panels,
+O = Kp / 8 column octets, G = 32.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+from services.int4_weight import GROUP, Int4Weight
+
+PANEL = 16
+
+
+def _octet_order() -> tuple[torch.Tensor, torch.Tensor]:
+    """For byte 16L + i of an octet: its W row in the panel and the octet column of its low nibble (the high
+    nibble's is 4 more). unpacklo/hi_epi8 take bytes 0..7 / 8..15 of each 128-bit lane L as the words of 32-bit
+    lanes 4L .. 4L + 3, so lane r is row r, and its two words two adjacent columns."""
+    lane, i = torch.arange(64) // 16, torch.arange(64) % 16
+    return 4 * lane + (i % 8) // 2, 2 * (i >= 8).long() + i % 2
+
+
+ROW_OF_BYTE, COLUMN_OF_BYTE = _octet_order()
+
+
+class PanelCopy(NamedTuple):
+    packed: torch.Tensor  # [P, O, 64] uint8
+    scale: torch.Tensor  # [P, Kp / G, 16] float16
+    low: torch.Tensor  # [P, Kp / G, 16] float16
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 2 * self.scale.numel() * self.scale.element_size()
+
+
+def panel_copy(weight: Int4Weight) -> PanelCopy:
+    """`weight`'s values in the panel layout (the missing rows of the last panel zero)."""
+    levels = weight.levels()  # [N, Kp]
+    n, kp = levels.shape
+    panels = -(-n // PANEL)
+    q = torch.zeros(panels * PANEL, kp, dtype=torch.uint8)
+    q[:n] = levels
+    octets = q.view(panels, PANEL, kp // 8, 8).transpose(1, 2)  # [P, O, 16 rows, 8 columns]
+    low_nibbles = octets[:, :, ROW_OF_BYTE, COLUMN_OF_BYTE]
+    high_nibbles = octets[:, :, ROW_OF_BYTE, COLUMN_OF_BYTE + 4]
+    packed = (low_nibbles | (high_nibbles << 4)).contiguous()  # [P, O, 64]
+
+    def by_panel(values: torch.Tensor) -> torch.Tensor:  # [N, Kp / G] -> [P, Kp / G, 16]
+        padded = torch.zeros(panels * PANEL, kp // GROUP, dtype=values.dtype)
+        padded[:n] = values
+        return padded.view(panels, PANEL, kp // GROUP).transpose(1, 2).contiguous()
+
+    return PanelCopy(packed, by_panel(weight.scale), by_panel(weight.low))
+
+
+class Int4Panels:
+    """Per int4 weight (by the identity of its bytes): its panel copy, dropped with the weight or by `drop`."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, PanelCopy] = {}
+
+    def copy(self, weight: Int4Weight) -> PanelCopy:
+        """`weight`'s panel copy (made on first use)."""
+        key = id(weight.packed)
+        found = self._copies.get(key)
+        if found is None:
+            found = self._copies[key] = panel_copy(weight)
+            weakref.finalize(weight.packed, self._copies.pop, key, None)
+        return found
+
+    def linear(self, native: ModuleType, streams: int, non_temporal: bool):
+        """The LinearFn of int4_panel_linear reading W as `streams` parts, prefetched past the caches or not."""
+        def int4_panels(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+            return native.int4_panel_linear(x, *self.copy(weight), weight.shape[0], bias, streams, non_temporal)
+        return int4_panels
+
+    def holds(self, weight: Int4Weight) -> bool:
+        return id(weight.packed) in self._copies
+
+    def drop(self, weight: Int4Weight) -> None:
+        self._copies.pop(id(weight.packed), None)
+
+
+INT4_PANELS = Int4Panels()
