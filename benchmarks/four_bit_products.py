@@ -46,7 +46,8 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
             calls = {f"{fmt} {name}": (lambda f=fn, wt=weights[fmt], x=x: f(x, wt, None))
-                     for fmt in weights for name, fn in candidates(fmt, True, k, rows, native, compute=dtype).items()}
+                     for fmt in weights
+                     for name, fn in candidates(fmt, True, k, rows, native, packed=True, compute=dtype).items()}
             times = {name: [] for name in calls}
             for _ in range(args.rounds):  # interleaved: a noisy moment hits every kernel alike
                 for name, call in calls.items():
