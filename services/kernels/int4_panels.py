@@ -14,6 +14,7 @@ O = Kp / 8 column octets, G = 32.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -80,7 +81,8 @@ class Int4Panels:
             weakref.finalize(weight.packed, self._copies.pop, key, None)
         return found
 
-    def linear(self, native: ModuleType, streams: int, non_temporal: bool):
+    def linear(self, native: ModuleType, streams: int, non_temporal: bool
+               ) -> Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]:
         """The LinearFn of int4_panel_linear reading W as `streams` parts, prefetched past the caches or not."""
         def int4_panels(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
             return native.int4_panel_linear(x, *self.copy(weight), weight.shape[0], bias, streams, non_temporal)

@@ -1,6 +1,7 @@
 // w4a8's weights in 16-row panels and its call, shared by w4a8_linear's two builds: w4a8_linear.cpp (AVX512-VNNI,
-// vpdpbusd) and w4a8_avx2_linear.cpp (AVX2, vpmaddubsw + vpmaddwd). Both compute, for every output, the same float32
-// chain in the same order from the same exact int32 group sums, so they give bit-identical results.
+// vpdpbusd) and w4a8_avx2_linear.cpp (AVX2, vpmaddubsw + vpmaddwd); store_row is also int4_panel_linear.cpp's. Both
+// builds compute, for every output, the same float32 chain in the same order from the same exact int32 group sums, so
+// they give bit-identical results.
 //
 // Legend: M rows of x, K input features, N output features, G = 32 columns per group (W's and x's alike),
 // Kp = K padded to whole 64-column blocks, P = ceil(N / 16) panels of 16 W rows.
