@@ -127,7 +127,8 @@ struct Product {
 torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias,
                                 int64_t streams, bool non_temporal) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "x must be a CPU bfloat16 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "x must be a CPU bfloat16 [M, K]");
   TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "streams must be 1, 2 or 4, got ", streams);
   const int64_t M = x.size(0), K = x.size(1), Kp = (K + 63) / 64 * 64, P = (N + kPanel - 1) / kPanel;
   TORCH_CHECK(N > 0 && K > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
