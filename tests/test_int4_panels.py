@@ -120,6 +120,8 @@ def test_the_plan_keeps_a_copy_only_where_it_chose_the_panels(panels_kernel, tmp
     # both 48 x 64 weights hold a copy (the second was never timed); the 32 x 128 one's, made by timing, is dropped
     assert [INT4_PANELS.holds(w) for w in mats] == [True, False, True]
     assert plan.packed_bytes == 2 * panel_copy(mats[0]).nbytes
+    for weight in (mats[0], mats[2]):  # kept copies (moved into 2 MB pages where the host allows) hold the layout
+        assert all(torch.equal(a, b) for a, b in zip(INT4_PANELS.copy(weight), panel_copy(weight), strict=True))
     x = torch.randn(1, 64).bfloat16()
     torch.testing.assert_close(plan.linear(x, mats[2]).float(), F.linear(x.float(), mats[2].dequantize(torch.float32)),
                                **BF16)

@@ -14,13 +14,14 @@ O = Kp / 8 column octets, G = 32.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
 from services.int4_weight import GROUP, Int4Weight
+from services.weight_arena import HugePageArena
 
 PANEL = 16
 
@@ -87,6 +88,18 @@ class Int4Panels:
         def int4_panels(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
             return native.int4_panel_linear(x, *self.copy(weight), weight.shape[0], bias, streams, non_temporal)
         return int4_panels
+
+    def keep(self, weights: Iterable[Int4Weight]) -> int:
+        """Make every one of `weights`' copies now (not in the first request), in 2 MB pages where the host allows, as
+        the weights themselves are (services/weight_arena.py: a copy in torch's 4 KB pages streams slower); returns
+        their bytes."""
+        kept = {id(w.packed): w for w in weights}
+        copies = {key: self.copy(w) for key, w in kept.items()}
+        arena = HugePageArena.create(sum(HugePageArena.size_of(t) for c in copies.values() for t in c))
+        if arena is not None:
+            for key, c in copies.items():  # one at a time: each 4 KB-page copy is freed once moved
+                self._copies[key] = PanelCopy(*(arena.copy(t) for t in c))
+        return sum(c.nbytes for c in copies.values())
 
     def holds(self, weight: Int4Weight) -> bool:
         return id(weight.packed) in self._copies

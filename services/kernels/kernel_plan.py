@@ -189,12 +189,13 @@ def _keep_chosen_copies(dense: Iterable[torch.Tensor], int4: Iterable[Int4Weight
             kept += ONEDNN_PACKS.packed(weight).numel() * weight.element_size()
         else:
             ONEDNN_PACKS.drop(weight)
+    panels = []
     for weight in int4:
         if any(name.startswith("native.panels") for name in choices[weight_key(weight)]):
-            kept += INT4_PANELS.copy(weight).nbytes
+            panels.append(weight)
         else:
             INT4_PANELS.drop(weight)
-    return kept
+    return kept + INT4_PANELS.keep(panels)
 
 
 def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int,
