@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from services.int4_weight import Int4Weight
 from services.kernels import kernel_plan
+from services.kernels.cold_cache import ColdCache
 from services.kernels.int4_panels import INT4_PANELS, panel_copy
 from services.kernels.kernel_plan import KernelPlan
 from services.kernels.linear_candidates import candidates
@@ -131,3 +132,17 @@ def test_the_plan_keeps_a_copy_only_where_it_chose_the_panels(panels_kernel, tmp
     tight = KernelPlan.choose(others, (4, 2, 8), torch.bfloat16, torch.device("cpu"), "auto")
     assert not any(n.startswith("native.panels") for n in tight.linear_choices[(48, 64, "int4")])
     assert tight.packed_bytes == 0 and not INT4_PANELS.holds(others[0])
+
+
+def test_timing_flushes_a_weights_panel_copy_with_its_own_bytes():
+    # the plan times few rows with the weight out of the caches: its panel copy must be out too, or the panels would be
+    # timed from the caches against kernels reading from memory
+    weight, other = (Int4Weight.quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(s))) for s in (0, 1))
+    flushed = []
+    cold = ColdCache(1, [weight, other], flush=lambda t: flushed.append(t.data_ptr()))
+    cold.evict(weight)
+    assert flushed == [weight.packed.data_ptr(), weight.scale.data_ptr(), weight.low.data_ptr()]
+    copy = INT4_PANELS.copy(weight)
+    flushed.clear()
+    cold.evict(weight)
+    assert flushed[3:] == [t.data_ptr() for t in copy] and INT4_PANELS.held(other) == ()

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from services.kernels.int4_panels import INT4_PANELS
+
 DEFAULT_LLC_BYTES = 32 << 20  # where sysfs does not say (not Linux)
 HOT_BYTES = 2 << 20  # what a decode step's other operators read between two products (see above)
 # the other weights read before each timed call, in last-level caches' worth (the weight timed is flushed): they push
@@ -58,7 +60,8 @@ class ColdCache:
     """`evict(weight)` reads the model's other weights, SWEEP_CACHES times the last-level cache's size of them (or all,
     where they are fewer) from where the last sweep stopped — as a decode step reads them between two uses of one
     weight; a kernel's own copies of its weight (oneDNN's packed one) go out with them — then flushes the weight's own
-    bytes out of every cache level where `flush` (the native `flush_cache_lines`) is given, then reads the hot set;
+    bytes (and its int4 panel copy's, int4_panels.py) out of every cache level where `flush` (the native
+    `flush_cache_lines`) is given, then reads the hot set;
     `reread()` reads the hot set again (timed with the kernel)."""
 
     def __init__(self, cache_bytes: int, weights: list, flush: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -88,8 +91,8 @@ class ColdCache:
                 swept += tensor.nbytes
                 if swept >= self.budget:
                     break
-        if self.flush is not None:
-            for tensor in weight_tensors(weight):
+        if self.flush is not None:  # and an int4 weight's panel copy: on a large adaptive L3 the sweep leaves some
+            for tensor in [*weight_tensors(weight), *INT4_PANELS.held(weight)]:
                 self.flush(tensor)
         self.hot.sum()
 

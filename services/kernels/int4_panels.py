@@ -101,6 +101,11 @@ class Int4Panels:
                 self._copies[key] = PanelCopy(*(arena.copy(t) for t in c))
         return sum(c.nbytes for c in copies.values())
 
+    def held(self, weight: object) -> tuple[torch.Tensor, ...]:
+        """The tensors of `weight`'s copy where it has one (the kernel plan flushes them before timing), else ()."""
+        packed = getattr(weight, "packed", None)
+        return tuple(self._copies.get(id(packed), ())) if isinstance(packed, torch.Tensor) else ()
+
     def holds(self, weight: Int4Weight) -> bool:
         return id(weight.packed) in self._copies
 
