@@ -93,13 +93,18 @@ class Int4Panels:
         """Make every one of `weights`' copies now (not in the first request), in 2 MB pages where the host allows, as
         the weights themselves are (services/weight_arena.py: a copy in torch's 4 KB pages streams slower); returns
         their bytes."""
-        kept = {id(w.packed): w for w in weights}
-        copies = {key: self.copy(w) for key, w in kept.items()}
-        arena = HugePageArena.create(sum(HugePageArena.size_of(t) for c in copies.values() for t in c))
+        keys: list[int] = []
+        for weight in weights:
+            self.copy(weight)  # made now where timing did not make it
+            if id(weight.packed) not in keys:
+                keys.append(id(weight.packed))
+        if not keys:
+            return 0
+        arena = HugePageArena.create(sum(HugePageArena.size_of(t) for key in keys for t in self._copies[key]))
         if arena is not None:
-            for key, c in copies.items():  # one at a time: each 4 KB-page copy is freed once moved
-                self._copies[key] = PanelCopy(*(arena.copy(t) for t in c))
-        return sum(c.nbytes for c in copies.values())
+            for key in keys:  # one at a time: each 4 KB-page copy is freed once moved
+                self._copies[key] = PanelCopy(*(arena.copy(t) for t in self._copies[key]))
+        return sum(self._copies[key].nbytes for key in keys)
 
     def held(self, weight: object) -> tuple[torch.Tensor, ...]:
         """The tensors of `weight`'s copy where it has one (the kernel plan flushes them before timing), else ()."""
