@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from services.model import LlamaModel
 
 
-def _parts_options(name: str, kernel: str) -> list[int] | None:
-    """[streams, non_temporal] of candidate `name` if it is one of `kernel`'s X16_VARIANTS, else None."""
-    return next(([s, int(nt)] for s, nt in X16_VARIANTS if parts_name(kernel, s, nt) == name), None)
+def _parts_options(name: str, kernel: str, variants: tuple = X16_VARIANTS) -> list[int] | None:
+    """[streams, non_temporal] of candidate `name` if it is one of `kernel`'s `variants`, else None."""
+    return next(([s, int(nt)] for s, nt in variants if parts_name(kernel, s, nt) == name), None)
 
 
 def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> tuple[str, list, list[int]]:
@@ -46,9 +46,8 @@ def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> 
         for kernel, candidate in (("int4_x16", "native.x16"), ("int4", "native")):
             if (options := _parts_options(name, candidate)) is not None:
                 return kernel, [weight.packed, weight.scale, weight.low], options
-        panels = next(([s, int(nt)] for s, nt in PANEL_VARIANTS if parts_name("native.panels", s, nt) == name), None)
-        if panels is not None:
-            return "int4_panels", list(INT4_PANELS.copy(weight)), [weight.shape[0], *panels]
+        if (options := _parts_options(name, "native.panels", PANEL_VARIANTS)) is not None:
+            return "int4_panels", list(INT4_PANELS.copy(weight)), [weight.shape[0], *options]
         return "call", [], []
     if isinstance(weight, Int8Weight) and weight.dynamic_activations:  # w8a8: each kernel rounds x itself
         if name == "native.w8a8":
