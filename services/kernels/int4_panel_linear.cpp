@@ -34,25 +34,29 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16, kGroup = 32, kTile = 4;  // kTile: x rows per pass over a panel
+constexpr int64_t kPanel = 16, kGroup = 32, kTile = 8;  // kTile: x rows per pass over a panel
 constexpr int64_t kAheadBytes = 1024;                    // prefetch distance in all (each of S streams: 1 / S of it)
 
 // out[(s * MT + m) * 16 + r] = x row m . W row 16 (p + s * apart) + r, for S panels `apart` apart (S > 1 only with
 // MT = 1) and MT rows of x. x: bf16 pairs as int32 [MT, Kp / 2]; xsum: [MT, Kp / G] float32, x's group sums.
+// Each row's dots run as C chains (register u feeds chain u % C): enough chains in all to hide vdpbf16ps' latency,
+// and few enough registers (S MT (C + 1) + 6) that 8 rows fit — a pass of 8 rows unpacks each octet for 32 dots,
+// 1.2-1.3x faster at 8 and 32 rows than passes of 4 (AMD EPYC Zen 4, 2 threads).
 template <int MT, int S, int Locality>
 void panel_dots(const uint8_t* packed, const at::Half* scale, const at::Half* low, int64_t p, int64_t apart,
                 const int32_t* x, const float* xsum, int64_t Kp, float* out) {
   static_assert(MT == 1 || S == 1, "several panels at once for one x row only");
+  constexpr int C = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
   const int64_t groups = Kp / kGroup, octets = Kp / 8;
   const __m512i mask = _mm512_set1_epi8(0x0F), tag = _mm512_set1_epi8(0x43);
   __m512 acc[S][MT];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < MT; ++m) acc[s][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 d[S][MT][4];  // one chain per register u: the dot latency hidden
+    __m512 d[S][MT][C];
     for (int s = 0; s < S; ++s)
       for (int m = 0; m < MT; ++m)
-        for (int u = 0; u < 4; ++u) d[s][m][u] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) d[s][m][c] = _mm512_setzero_ps();
     for (int64_t o = 4 * g; o < 4 * g + 4; ++o)
       for (int s = 0; s < S; ++s) {
         const uint8_t* at = packed + ((p + s * apart) * octets + o) * 64;
@@ -61,10 +65,10 @@ void panel_dots(const uint8_t* packed, const at::Half* scale, const at::Half* lo
         const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         const __m512i w[4] = {_mm512_unpacklo_epi8(lo, tag), _mm512_unpackhi_epi8(lo, tag),
                               _mm512_unpacklo_epi8(hi, tag), _mm512_unpackhi_epi8(hi, tag)};
-        for (int m = 0; m < MT; ++m)
-          for (int u = 0; u < 4; ++u)
-            d[s][m][u] = _mm512_dpbf16_ps(d[s][m][u], (__m512bh)w[u],
-                                          (__m512bh)_mm512_set1_epi32(x[m * Kp / 2 + 4 * o + u]));
+        for (int u = 0; u < 4; ++u)
+          for (int m = 0; m < MT; ++m)
+            d[s][m][u % C] = _mm512_dpbf16_ps(d[s][m][u % C], (__m512bh)w[u],
+                                              (__m512bh)_mm512_set1_epi32(x[m * Kp / 2 + 4 * o + u]));
       }
     for (int s = 0; s < S; ++s) {
       const int64_t at = ((p + s * apart) * groups + g) * kPanel;
@@ -72,7 +76,9 @@ void panel_dots(const uint8_t* packed, const at::Half* scale, const at::Half* lo
       const __m512 lw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + at)));
       const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), sc, lw);
       for (int m = 0; m < MT; ++m) {
-        const __m512 D = _mm512_add_ps(_mm512_add_ps(d[s][m][0], d[s][m][1]), _mm512_add_ps(d[s][m][2], d[s][m][3]));
+        __m512 D = d[s][m][0];  // C = 4: pairs first
+        if constexpr (C == 4) D = _mm512_add_ps(_mm512_add_ps(D, d[s][m][1]), _mm512_add_ps(d[s][m][2], d[s][m][3]));
+        if constexpr (C == 2) D = _mm512_add_ps(D, d[s][m][1]);
         acc[s][m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * groups + g]), _mm512_fmadd_ps(D, sc, acc[s][m]));
       }
     }
@@ -117,7 +123,11 @@ struct Product {
           case 1: panels<1, 1, Locality>(p, 0, m0); break;
           case 2: panels<2, 1, Locality>(p, 0, m0); break;
           case 3: panels<3, 1, Locality>(p, 0, m0); break;
-          default: panels<4, 1, Locality>(p, 0, m0);
+          case 4: panels<4, 1, Locality>(p, 0, m0); break;
+          case 5: panels<5, 1, Locality>(p, 0, m0); break;
+          case 6: panels<6, 1, Locality>(p, 0, m0); break;
+          case 7: panels<7, 1, Locality>(p, 0, m0); break;
+          default: panels<8, 1, Locality>(p, 0, m0);
         }
   }
 };
