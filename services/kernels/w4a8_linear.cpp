@@ -47,10 +47,11 @@ inline GroupScale round_group(const T* x, int64_t K, int64_t k0, int8_t* q) {
 }
 
 constexpr int64_t kNR = 2 * kPanel, kKC = 128, kMR = 4, kChunkGroups = kKC / kGroup;
-// Up to this many rows of x: the few-row path. It streams W once per 4 rows (after the first pass from L3), yet beats
-// the tile's chunk widening up to ~24 rows: 12-24 rows of the `1b` shapes 1.02-1.5x faster, at 32 gate_up's tile
-// wins by 10% (Zen 4, 2 threads, bf16 x, 4 weights cycled; 8 before).
-constexpr int64_t kDirectRows = 24;
+constexpr int64_t kPass = 8;  // rows of x per pass over a panel in the few-row path (one dot chain and one sum each)
+// Up to this many rows of x: the few-row path. Each panel read once from memory against passes of 8 rows beat the
+// tile's chunk widening at every row count up to 96 (the `1b` shapes 1.04-1.4x), on a par at 128 (AMD EPYC Zen 4,
+// 2 threads, bf16 x, weights cycled from memory; passes of 4 rows with W streamed once per pass were 1.1-1.2x slower).
+constexpr int64_t kDirectRows = 96;
 
 inline __m512 halves(const at::Half* h) {  // 16 float16 as float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
@@ -70,7 +71,7 @@ inline __m512 group_step(__m512i dot, __m512 scale, __m512 low, float s, float z
   return _mm512_fmadd_ps(low, _mm512_set1_ps(z), scaled);
 }
 
-// Few rows (M <= kDirectRows): each thread streams its panels once per kMR rows of x, widening W in registers.
+// Few rows (M <= kDirectRows): each panel once from memory, against kPass rows of x at a time, widened in registers.
 template <int MR, typename T>
 void panel_rows(const Weights& w, const RoundedRows& x, int64_t m0, int64_t p, const float* bias, T* y) {
   const int64_t groups = w.Kp / kGroup;
@@ -104,12 +105,16 @@ void panel_rows(const Weights& w, const RoundedRows& x, int64_t m0, int64_t p, c
 template <typename T>
 void few_rows(const Weights& w, const RoundedRows& x, int64_t M, const float* bias, T* y) {
   parallel_chunks(w.panels, [&](int64_t p0, int64_t p1) {  // chunks of panels the threads take in turn
-    for (int64_t m0 = 0; m0 < M; m0 += kMR)
-      for (int64_t p = p0; p < p1; ++p) switch (std::min(kMR, M - m0)) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t m0 = 0; m0 < M; m0 += kPass) switch (std::min(kPass, M - m0)) {
           case 1: panel_rows<1>(w, x, m0, p, bias, y); break;
           case 2: panel_rows<2>(w, x, m0, p, bias, y); break;
           case 3: panel_rows<3>(w, x, m0, p, bias, y); break;
-          default: panel_rows<4>(w, x, m0, p, bias, y);
+          case 4: panel_rows<4>(w, x, m0, p, bias, y); break;
+          case 5: panel_rows<5>(w, x, m0, p, bias, y); break;
+          case 6: panel_rows<6>(w, x, m0, p, bias, y); break;
+          case 7: panel_rows<7>(w, x, m0, p, bias, y); break;
+          default: panel_rows<8>(w, x, m0, p, bias, y);
         }
   });
 }
