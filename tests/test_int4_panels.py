@@ -53,8 +53,8 @@ def test_the_layout_byte_by_byte():
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 20), (1, 7, 64), (3, 33, 172), (5, 16, 200),
                                                            (9, 5, 128), (1, 130, 2048), (13, 37, 256), (2, 300, 1000),
-                                                           (1, 17, 8192), (6, 21, 96), (8, 16, 64), (17, 19, 320),
-                                                           (31, 40, 300)])
+                                                           (1, 17, 8192), (4, 18, 160), (6, 21, 96), (8, 16, 64),
+                                                           (17, 19, 320), (31, 40, 300)])
 def test_the_kernel_is_the_dequantized_product(panels_kernel, rows, out_features, in_features):
     # odd shapes: panels end mid-way, columns end mid-block, rows of x end mid-tile (8 a pass: 1-8 rows each
     # a pass of its own width, 17 and 31 whole passes and a rest)
