@@ -16,6 +16,7 @@ from services.kernels.kernel_plan import KernelPlan
 from services.kernels.linear_candidates import candidates
 from services.kernels.native import load
 from services.kernels.stream_variants import PANEL_VARIANTS, parts_name
+from services.weight_arena import HUGE_PAGE, HugePageArena
 
 BF16 = dict(rtol=2e-2, atol=5e-2)  # test_int4_weight.py's bf16 tolerance
 
@@ -148,3 +149,17 @@ def test_timing_flushes_a_weights_panel_copy_with_its_own_bytes():
     flushed.clear()
     cold.evict(weight)
     assert flushed[3:] == [t.data_ptr() for t in copy] and INT4_PANELS.held(other) == ()
+
+
+def test_a_copy_is_made_in_2mb_pages_of_its_own():
+    # the plan times the panels against kernels reading weights already in 2 MB pages (model._into_huge_pages): the copy
+    # is placed there when made, not after the choice, and one not kept frees its own mapping
+    if HugePageArena.create(1) is None:
+        pytest.skip("this platform has no madvise(MADV_HUGEPAGE)")
+    weight = Int4Weight.quantize(torch.randn(40, 200, generator=torch.Generator().manual_seed(3)))
+    copy = INT4_PANELS.copy(weight)
+    assert copy.packed.data_ptr() % HUGE_PAGE == 0  # an arena's start: every page of it can be huge
+    assert copy.scale.data_ptr() == copy.packed.data_ptr() + HugePageArena.size_of(copy.packed)
+    assert all(torch.equal(a, b) for a, b in zip(copy, panel_copy(weight), strict=True))
+    other = INT4_PANELS.copy(Int4Weight.quantize(torch.randn(40, 200, generator=torch.Generator().manual_seed(4))))
+    assert other.packed.data_ptr() % HUGE_PAGE == 0 and other.packed.data_ptr() != copy.packed.data_ptr()

@@ -78,7 +78,7 @@ class Int4Panels:
         key = id(weight.packed)
         found = self._copies.get(key)
         if found is None:
-            found = self._copies[key] = panel_copy(weight)
+            found = self._copies[key] = _in_huge_pages(panel_copy(weight))
             weakref.finalize(weight.packed, self._copies.pop, key, None)
         return found
 
@@ -90,21 +90,9 @@ class Int4Panels:
         return int4_panels
 
     def keep(self, weights: Iterable[Int4Weight]) -> int:
-        """Make every one of `weights`' copies now (not in the first request), in 2 MB pages where the host allows, as
-        the weights themselves are (services/weight_arena.py: a copy in torch's 4 KB pages streams slower); returns
-        their bytes."""
-        keys: list[int] = []
-        for weight in weights:
-            self.copy(weight)  # made now where timing did not make it
-            if id(weight.packed) not in keys:
-                keys.append(id(weight.packed))
-        if not keys:
-            return 0
-        arena = HugePageArena.create(sum(HugePageArena.size_of(t) for key in keys for t in self._copies[key]))
-        if arena is not None:
-            for key in keys:  # one at a time: each 4 KB-page copy is freed once moved
-                self._copies[key] = PanelCopy(*(arena.copy(t) for t in self._copies[key]))
-        return sum(self._copies[key].nbytes for key in keys)
+        """Make every one of `weights`' copies now (not in the first request); returns their bytes."""
+        copies = {id(weight.packed): self.copy(weight) for weight in weights}
+        return sum(copy.nbytes for copy in copies.values())
 
     def held(self, weight: object) -> tuple[torch.Tensor, ...]:
         """The tensors of `weight`'s copy where it has one (the kernel plan flushes them before timing), else ()."""
@@ -116,6 +104,15 @@ class Int4Panels:
 
     def drop(self, weight: Int4Weight) -> None:
         self._copies.pop(id(weight.packed), None)
+
+
+def _in_huge_pages(copy: PanelCopy) -> PanelCopy:
+    """`copy` moved into 2 MB pages of its own where the host allows (services/weight_arena.py), made so from the
+    start: the weights are in 2 MB pages before the plan times them, and a copy timed in torch's 4 KB pages raced them
+    at a disadvantage it would not have in use (copies in 4 KB pages: the `1b` int4 step 26.1 against 24.6 ms,
+    session 38). An arena of its own, so a copy timed and not chosen is freed with it."""
+    arena = HugePageArena.create(sum(HugePageArena.size_of(t) for t in copy))
+    return copy if arena is None else PanelCopy(*(arena.copy(t) for t in copy))
 
 
 INT4_PANELS = Int4Panels()
