@@ -155,16 +155,22 @@ torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& pac
   }
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  // x padded with zeros to Kp, and its group sums (of the bf16 values, in float32)
+  // x padded with zeros to Kp, and its group sums (of the bf16 values, in float32): 32 values widened and added at
+  // once (a scalar loop took 2.6% of the `1b` int4 batch-32 step)
   std::vector<at::BFloat16> xp(M * Kp, at::BFloat16(0.f));
-  std::vector<float> xsum(M * Kp / kGroup, 0.f);
+  std::vector<float> xsum(M * Kp / kGroup);
   const torch::Tensor xc = x.contiguous();
   const at::BFloat16* xv = xc.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      xp[m * Kp + k] = xv[m * K + k];
-      xsum[m * Kp / kGroup + k / kGroup] += static_cast<float>(xv[m * K + k]);
+  for (int64_t m = 0; m < M; ++m) {
+    std::copy(xv + m * K, xv + (m + 1) * K, xp.begin() + m * Kp);
+    for (int64_t g = 0; g < Kp / kGroup; ++g) {
+      const __m512i words = _mm512_loadu_si512(xp.data() + m * Kp + g * kGroup);  // 32 bf16: float32's high halves
+      const __m256i first = _mm512_castsi512_si256(words), second = _mm512_extracti64x4_epi64(words, 1);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(first), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(second), 16));
+      xsum[m * Kp / kGroup + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
+  }
   const Product product{packed.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), low.data_ptr<at::Half>(),
                         reinterpret_cast<const int32_t*>(xp.data()), xsum.data(),
                         bias.has_value() ? bias32.data_ptr<float>() : nullptr, M, N, Kp, y.data_ptr<at::BFloat16>()};
