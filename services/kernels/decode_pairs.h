@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "count_dispatch.h"
 #include "decode_runs.h"
 #include "softmax_math.h"
 
@@ -193,16 +194,7 @@ void attend_task(const at::BFloat16* q, float scale, const at::BFloat16* keys, c
 // chosen at run time (here and in decode_tiles.h).
 template <typename Fn>
 inline void with_steps(int64_t Dh, Fn&& fn) {
-  switch (Dh / 32) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
+  with_count(Dh / 32, fn);
 }
 
 // attend_task for a head dim chosen at run time (supports(Dh)).

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "count_dispatch.h"
 #include "thread_chunks.h"
 #include "w4a8_panels.h"
 #include "x16_groups.h"
@@ -119,16 +120,8 @@ struct Product {
   template <int Locality>
   void rows(int64_t p0, int64_t p1) const {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) switch (std::min(kTile, M - m0)) {
-          case 1: panels<1, 1, Locality>(p, 0, m0); break;
-          case 2: panels<2, 1, Locality>(p, 0, m0); break;
-          case 3: panels<3, 1, Locality>(p, 0, m0); break;
-          case 4: panels<4, 1, Locality>(p, 0, m0); break;
-          case 5: panels<5, 1, Locality>(p, 0, m0); break;
-          case 6: panels<6, 1, Locality>(p, 0, m0); break;
-          case 7: panels<7, 1, Locality>(p, 0, m0); break;
-          default: panels<8, 1, Locality>(p, 0, m0);
-        }
+      for (int64_t m0 = 0; m0 < M; m0 += kTile)
+        with_count(std::min(kTile, M - m0), [&](auto rows) { panels<decltype(rows)::value, 1, Locality>(p, 0, m0); });
   }
 };
 

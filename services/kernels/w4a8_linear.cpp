@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "count_dispatch.h"
 #include "thread_chunks.h"
 #include "w4a8_panels.h"
 
@@ -106,16 +107,8 @@ template <typename T>
 void few_rows(const Weights& w, const RoundedRows& x, int64_t M, const float* bias, T* y) {
   parallel_chunks(w.panels, [&](int64_t p0, int64_t p1) {  // chunks of panels the threads take in turn
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += kPass) switch (std::min(kPass, M - m0)) {
-          case 1: panel_rows<1>(w, x, m0, p, bias, y); break;
-          case 2: panel_rows<2>(w, x, m0, p, bias, y); break;
-          case 3: panel_rows<3>(w, x, m0, p, bias, y); break;
-          case 4: panel_rows<4>(w, x, m0, p, bias, y); break;
-          case 5: panel_rows<5>(w, x, m0, p, bias, y); break;
-          case 6: panel_rows<6>(w, x, m0, p, bias, y); break;
-          case 7: panel_rows<7>(w, x, m0, p, bias, y); break;
-          default: panel_rows<8>(w, x, m0, p, bias, y);
-        }
+      for (int64_t m0 = 0; m0 < M; m0 += kPass)
+        with_count(std::min(kPass, M - m0), [&](auto mr) { panel_rows<decltype(mr)::value>(w, x, m0, p, bias, y); });
   });
 }
 
