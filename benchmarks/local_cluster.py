@@ -6,6 +6,7 @@ this process, which is the Ray driver). Installed with the package, so `benchmar
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 
@@ -24,6 +25,29 @@ def wait_for(condition, what: str, timeout: float = 15.0, interval: float = 0.1)
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(interval)
+
+
+def process_id(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+
+
+def wait_restarted(actor, old_pid: int, timeout: float) -> None:
+    """Until `actor` answers from a process other than `old_pid`. A call sent just after the old
+    process was killed can still reach it, so a ping that answers proves nothing."""
+    def restarted() -> bool:
+        try:
+            return process_id(actor) != old_pid
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # still restarting
+            return False
+
+    wait_for(restarted, "the actor was not started again", timeout, 0.2)
+
+
+def crash_and_restart(actor, timeout: float) -> None:
+    """Kills `actor`'s process as a crash would and returns once Ray's restart of it answers."""
+    old_pid = process_id(actor)
+    ray.kill(actor, no_restart=False)
+    wait_restarted(actor, old_pid, timeout)
 
 
 def wait_healthy(process, url: str, timeout: float, what: str) -> None:

@@ -107,9 +107,9 @@ class DecodeWorker(WorkerActor):
         try:
             start = time.perf_counter()
             fault, self.kv_fault = self.kv_fault, None
-            if fault == "lose":
-                raise LookupError("test fault: the KV object was lost")
             kv = await self.transport.fetch(kv_handle)
+            if fault == "lose":  # after the fetch, which ends the prefill worker's lease on it
+                raise LookupError("test fault: the KV object was lost")
             if fault == "corrupt":
                 kv = _corrupted(kv)
             self.kv_transfers.extend([(time.perf_counter() - start, kv.num_bytes)])

@@ -69,27 +69,35 @@ class Orchestrator:
             async for delta in self._decode_anywhere(request, None, keys if self.mode == "colocated" else []):
                 yield delta
             return
-        meta, prefill = prefilled
+        meta, prefill, owner = prefilled
         del prefilled  # `prefill` must be the stream's only reference: it is dropped once the KV is taken
         METRICS.request_prefill_time.observe(meta.prefill_seconds)
-        done = meta.finish_reason is not None or params.max_tokens == 1
-        yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
-                         meta.finish_reason or ("length" if done else None), meta.num_cached_tokens,
-                         prompt_logprobs=meta.prompt_logprobs)
-        # Let the first token reach the client before spending the loop on the decode calls.
-        await asyncio.sleep(0)
-        if done:
-            return  # the prefill stream goes out of scope here and its KV object is freed
-        request = DecodeRequest(request_id, prompt_token_ids, params, meta.first_token_id, meta.first_logprobs)
+        done = meta.finish_reason is not None or params.max_tokens == 1  # then no KV was exported
+        kv, read = [], False  # a list, so that _decode can let go of the only reference to the KV
+        lease = meta.kv_lease  # over RDT: `owner` holds the KV until a decode worker reads it, or this is released
         try:
-            kv = [await prefill.__anext__()]  # a list, so that _decode can let go of the only reference
-        except RayActorError as error:  # the worker died before handing over the KV: recompute it
-            log.warning("prefill of %s lost its KV: %s", request_id, error)
-            METRICS.kv_recomputes.inc()
-            kv, request = None, _resumed(request, [meta.first_token_id])
-        del prefill
-        async for delta in self._decode_anywhere(request, kv):
-            yield delta
+            yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
+                             meta.finish_reason or ("length" if done else None), meta.num_cached_tokens,
+                             prompt_logprobs=meta.prompt_logprobs)
+            # Let the first token reach the client before spending the loop on the decode calls.
+            await asyncio.sleep(0)
+            if done:
+                return
+            request = DecodeRequest(request_id, prompt_token_ids, params, meta.first_token_id, meta.first_logprobs)
+            try:
+                kv.append(await prefill.__anext__())
+                read = True
+            except RayActorError as error:  # the worker died before handing over the KV: recompute it
+                log.warning("prefill of %s lost its KV: %s", request_id, error)
+                METRICS.kv_recomputes.inc()
+                lease, request = None, _resumed(request, [meta.first_token_id])
+            del prefill
+            async for delta in self._decode_anywhere(request, kv or None):
+                yield delta
+        finally:
+            if lease is not None and (kv or not read):  # never handed to a decode worker: the client
+                owner.release_kv.remote(lease)  # left, or none could take it (503)
+            kv.clear()  # now, not when the frames an error's traceback holds are collected
 
     def _prefill_locally(self, prompt_tokens: int, keys: list) -> bool:
         cached = self.prefixes.cached_tokens(keys)
@@ -97,8 +105,8 @@ class Orchestrator:
         return self.placement.local(prompt_tokens, prefill, cached.get(prefill.name, 0) if prefill else 0,
                                     self.pool.best("decode"), self.pool.kv_bytes_per_second)
 
-    async def _prefill(self, request: DecodeRequest, keys: list) -> tuple[PrefillResult, object] | None:
-        """The prefill's metadata and its call's stream (whose next item is the KV), from the least
+    async def _prefill(self, request: DecodeRequest, keys: list) -> tuple[PrefillResult, object, object] | None:
+        """The prefill's metadata, its call's stream (whose next item is the KV) and its worker, from the least
         loaded prefill worker; one that dies is marked so and the next one tried. None when no
         prefill worker is left (the caller lets a decode worker prefill)."""
         for _ in range(self.max_failovers + 1):
@@ -116,7 +124,7 @@ class Orchestrator:
                     meta: PrefillResult = ray.get(await prefill.__anext__())
                     self.placement.observe_prefill(time.perf_counter() - sent, meta.prefill_seconds, meta.kv_bytes,
                                                    len(request.prompt_token_ids))
-                    return meta, prefill
+                    return meta, prefill, worker.actor
                 except RayActorError as error:
                     worker.alive = False  # until a stats poll finds it answering again
                     log.warning("prefill of %s failed on %s: %s", request.request_id, worker.name, error)
@@ -126,31 +134,28 @@ class Orchestrator:
     async def _decode_anywhere(self, request: DecodeRequest, kv: list | None, keys: list = ()
                                ) -> AsyncIterator[TokenDelta]:
         """Decode on the least loaded worker; if it dies, resume on another (up to max_failovers).
-        If the KV cannot be used there (lost with its node, or corrupt), recompute the prompt.
+        If the KV cannot be used there (lost with its node, or corrupt), recompute the prompt. The
+        caller drops `kv` if no worker took it.
         `keys` (the prompt's prefix keys, when the decode worker prefills it): of equally loaded
         workers, the one that likely holds the prefix is chosen, and it is recorded as holding it."""
         delivered = [] if request.first_token_id is None else [request.first_token_id]
-        try:
-            for attempt in range(self.max_failovers + 1):
-                with self.pool.claim("decode", 1, self.prefixes.cached_tokens(keys)) as worker:
-                    self.prefixes.record(keys, worker.name)
-                    try:
-                        async for delta in self._decode(worker, request, kv):
-                            delivered += delta.token_ids
-                            yield delta
-                        return
-                    except (WorkerLost, KVLost) as error:
-                        if isinstance(error, WorkerLost) and not isinstance(error, ChannelClosed):
-                            worker.alive = False  # until a stats poll finds it answering again
-                        if attempt == self.max_failovers:
-                            raise
-                        log.warning("resuming %s after %d tokens: %s", request.request_id, len(delivered), error)
-                        (METRICS.kv_recomputes if isinstance(error, KVLost) else METRICS.decode_failovers).inc()
-                kv = None
-                request = _resumed(request, delivered)
-        finally:
-            if kv:  # never admitted (no decode worker: 503): drop the KV now, not when the frames an
-                kv.clear()  # error's traceback holds are collected (an idle router kept it for good)
+        for attempt in range(self.max_failovers + 1):
+            with self.pool.claim("decode", 1, self.prefixes.cached_tokens(keys)) as worker:
+                self.prefixes.record(keys, worker.name)
+                try:
+                    async for delta in self._decode(worker, request, kv):
+                        delivered += delta.token_ids
+                        yield delta
+                    return
+                except (WorkerLost, KVLost) as error:
+                    if isinstance(error, WorkerLost) and not isinstance(error, ChannelClosed):
+                        worker.alive = False  # until a stats poll finds it answering again
+                    if attempt == self.max_failovers:
+                        raise
+                    log.warning("resuming %s after %d tokens: %s", request.request_id, len(delivered), error)
+                    (METRICS.kv_recomputes if isinstance(error, KVLost) else METRICS.decode_failovers).inc()
+            kv = None
+            request = _resumed(request, delivered)
 
     async def _decode(self, worker: WorkerHandle, request: DecodeRequest, kv: list | None
                       ) -> AsyncIterator[TokenDelta]:

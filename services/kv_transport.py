@@ -10,6 +10,7 @@ worker reads it). The handle is the same for both, so the router does not know w
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -53,11 +54,12 @@ class DirectTransport(KVTransport):
     """The KV travels over Ray Direct Transport (CUDA IPC on one host, NIXL across hosts).
 
     The prefill worker puts its `DeviceKV` itself, `ray.put(kv, _tensor_transport=...)`, and yields
-    `[rdt_ref]`: a ref put by its owner carries its transport metadata at once, so it may be passed
-    on (a ref returned by a tensor_transport task may not: Ray issue #59644). The router's handle is
-    `[ref]` of that list, as for the object store. `fetch` awaits the list, then reads the tensors
-    with `ray.get` on a thread (an RDT ref cannot be awaited). The object stays in the prefill
-    worker's memory until the router and this worker have dropped their refs."""
+    `[rdt_ref, its own actor handle, lease key]` (`KVLeases`): a ref put by its owner carries its
+    transport metadata at once, so it may be passed on (a ref returned by a tensor_transport task may
+    not: Ray issue #59644). The router's handle is `[ref]` of that list, as for the object store.
+    `fetch` awaits the list, reads the tensors with `ray.get` on a thread (an RDT ref cannot be
+    awaited), then ends the owner's lease: the object stays in the prefill worker's memory until
+    then, or until the lease runs out."""
 
     name = "rdt"
 
@@ -68,8 +70,49 @@ class DirectTransport(KVTransport):
         return [kv_ref]
 
     async def fetch(self, handle: list) -> DeviceKV:
-        (rdt_ref,) = await handle[0]
-        return await asyncio.to_thread(ray.get, rdt_ref, timeout=self.timeout_s)
+        rdt_ref, owner, lease = await handle[0]
+        try:
+            return await asyncio.to_thread(ray.get, rdt_ref, timeout=self.timeout_s)
+        finally:  # read, or lost: either way the owner may let go
+            owner.release_kv.remote(lease)
+
+
+class KVLeases:
+    """The RDT refs a prefill worker has handed out, held by the worker itself until the decode
+    worker has read them, the router has dropped them unread (`release`), or `lease_s` passes (both
+    died).
+
+    Why the owner holds its own ref: Ray 2.60 can free an object whose ref travels nested in a
+    streaming generator's item before the reader's borrow is counted (ray-project/ray#58080; in a
+    bare repro here 245 of 300 such refs were gone when the reader asked, none while the owner held
+    them). The KV would be recomputed: correct, but a prefill thrown away."""
+
+    def __init__(self, lease_s: float = 120.0, clock=time.monotonic) -> None:
+        self.lease_s, self.clock = lease_s, clock
+        self._leases: dict[str, tuple[float, object | None]] = {}  # key -> (deadline, ref; None: released first)
+
+    def hold(self, key: str, ref) -> None:
+        """Keep `ref` alive under `key`, unless `key` was released already."""
+        self.expire()
+        if key in self._leases and self._leases[key][1] is None:
+            del self._leases[key]  # a router whose client left at once may release before the put
+            return
+        self._leases[key] = (self.clock() + self.lease_s, ref)
+
+    def release(self, key: str) -> None:
+        self.expire()
+        if self._leases.pop(key, None) is None:  # not held (yet): remembered for a lease's length
+            self._leases[key] = (self.clock() + self.lease_s, None)
+
+    def expire(self) -> int:
+        """Forget the leases that ran out; how many held a ref."""
+        now = self.clock()
+        gone = [key for key, (deadline, _) in self._leases.items() if deadline <= now]
+        return sum(self._leases.pop(key)[1] is not None for key in gone)
+
+    def __len__(self) -> int:
+        """Refs held."""
+        return sum(ref is not None for _, ref in self._leases.values())
 
 
 TRANSPORTS: dict[str, type[KVTransport]] = {t.name: t for t in (ObjectStoreTransport, DirectTransport)}

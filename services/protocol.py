@@ -22,7 +22,8 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """The small half of a prefill's two returns (the other is the KV: a KVPayload, or `[ref]` of a DeviceKV)."""
+    """The small half of a prefill's two returns (the other is the KV: a KVPayload, or over RDT
+    `[ref, the prefill worker, kv_lease]` of a DeviceKV)."""
 
     request_id: str
     first_token_id: int
@@ -33,6 +34,7 @@ class PrefillResult:
     kv_bytes: int
     worker_id: str
     prompt_logprobs: list[dict[int, float]] | None = None  # when asked for: entry i is prompt token i + 1
+    kv_lease: str | None = None  # over RDT: the worker holds the KV until this lease is released
 
 
 @dataclass(frozen=True)

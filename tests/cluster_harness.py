@@ -2,7 +2,9 @@
 benchmarks use them too); re-exported here under the names the tests import."""
 
 from benchmarks.local_cluster import (  # noqa: F401
+    crash_and_restart,
     free_port,
+    process_id,
     router_server,
     serve_router,
     served_app,
@@ -11,4 +13,5 @@ from benchmarks.local_cluster import (  # noqa: F401
     two_node_cluster,
     wait_for,
     wait_healthy,
+    wait_restarted,
 )

@@ -221,7 +221,7 @@ def check_echo_logprobs_score_the_prompt(url: str, model: str) -> None:
 
 def check_kv_fault_recomputed(decode, fault: str, prompt_len: int, max_tokens: int, ask, want) -> None:
     """The decode worker's next KV fetch `fault`s ("corrupt": one bit flipped, the checksum fails;
-    "lose": the fetch fails, test-only hooks), `ask()` sends the request: its answer is `want`,
+    "lose": fetched, then reported lost; test-only hooks), `ask()` sends the request: its answer is `want`,
     the router had the prompt recomputed once, and the decode worker computed exactly that."""
     from services.metrics import METRICS
 

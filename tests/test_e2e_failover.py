@@ -9,7 +9,7 @@ import e2e_checks as checks
 import httpx
 import pytest
 import ray
-from cluster_harness import router_server, set_step_delay, two_node_cluster, wait_for
+from cluster_harness import crash_and_restart, router_server, set_step_delay, two_node_cluster, wait_for
 
 from router.launcher import ClusterSpec
 from services import Engine, SamplingParams
@@ -174,7 +174,6 @@ def test_a_killed_worker_is_started_again_and_serves_again(cluster, tiny_path, m
     router finds it at its next stats poll, and the answers are the single engine's again); killed a
     second time, it stays dead."""
     import dataclasses
-    import os
 
     import router.launcher
     from router.cli import main
@@ -190,16 +189,7 @@ def test_a_killed_worker_is_started_again_and_serves_again(cluster, tiny_path, m
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     with router_server(spec) as (url, actors, state):
         decode = actors[1]
-        pid = ray.get(decode.__ray_call__.remote(lambda self: os.getpid()))
-        ray.kill(decode, no_restart=False)  # as if the process crashed
-
-        def restarted() -> bool:
-            try:  # the kill takes a moment: the old process may still answer first
-                return ray.get(decode.__ray_call__.remote(lambda self: os.getpid()), timeout=10) != pid
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                return False
-
-        wait_for(restarted, "the decode worker was not started again", 90, 0.2)
+        crash_and_restart(decode, 90)
         wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 200,
                  "the router never found the restarted worker", 30, 0.2)  # at its next stats poll
         answer = httpx.post(url + "/v1/completions", json=body, timeout=30)

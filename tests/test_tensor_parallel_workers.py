@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import ray
-from cluster_harness import router_server, set_step_delay, wait_for
+from cluster_harness import process_id, router_server, set_step_delay, wait_for, wait_restarted
 from e2e_checks import chunks
 from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
@@ -121,26 +121,19 @@ def test_decode_tp2_rank_death_resumes_the_stream_elsewhere(cluster, tiny_path):
             if len(text) >= 20 and not killed:
                 (serving,) = [a for a in decode_actors if ray.get(a.stats.remote()).num_running > 0]
                 (rank,) = ray.get(serving.__ray_call__.remote(lambda self: self.rank_group.ranks))
+                killed.append((serving, process_id(serving)))
                 ray.kill(rank, no_restart=True)
-                killed.append(serving)
                 set_step_delay([a for a in decode_actors if a is not serving], 0.0)
 
         set_step_delay(decode_actors, 0.02)
         text, usage = stream(url, 400, kill_a_rank, **sampling)
         assert killed and usage["completion_tokens"] == 400
         assert text == expected  # nothing lost, nothing repeated
-        wait_for(lambda: answers(killed[0]), "the group was not started again", 120, interval=1.0)
-        (fresh,) = ray.get(killed[0].__ray_call__.remote(lambda self: self.rank_group.ranks))
+        ((group, old_pid),) = killed
+        wait_restarted(group, old_pid, 120)
+        (fresh,) = ray.get(group.__ray_call__.remote(lambda self: self.rank_group.ranks))
         assert ray.get(fresh.ping.remote(), timeout=30) == 1
-        assert ray.get(killed[0].stats.remote("test")).num_steps == 0  # a new process: its engine is fresh
-
-
-def answers(actor) -> bool:
-    try:
-        ray.get(actor.ping.remote(), timeout=5)
-        return True
-    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-        return False
+        assert ray.get(group.stats.remote("test")).num_steps == 0  # a new process: its engine is fresh
 
 
 def test_refusals_name_the_numbers(cluster, tiny_path):
