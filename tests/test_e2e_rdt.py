@@ -6,6 +6,7 @@ the same tokens, the KV checked on arrival, a corrupt or lost KV recomputed, not
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 
 import e2e_checks as checks
@@ -13,7 +14,10 @@ import pytest
 import ray
 from cluster_harness import crash_and_restart, router_server, two_node_cluster, wait_for
 
+from router.errors import APIError
 from router.launcher import ClusterSpec
+from router.orchestrator import Orchestrator
+from router.worker_pool import WorkerPool
 from services import Engine
 from services.protocol import DecodeRequest, PrefillRequest
 from services.sampling_params import SamplingParams
@@ -126,6 +130,36 @@ def test_a_first_token_that_ends_the_request_exports_no_kv(deployments):
     items = [ray.get(ref) for ref in prefill.prefill.remote(PrefillRequest("stopped", prompt, params))]
     assert [(m.first_token_id, m.finish_reason, m.kv_lease) for m in items] == [(first.first_token_id, "stop", None)]
     wait_for(lambda: held_leases(prefill) == 0 and rdt_objects(prefill) == 0, "the KV was put", 30)
+
+
+@pytest.mark.parametrize("leaves", ["after_the_first_token", "with_no_decode_worker"])
+def test_a_router_that_drops_the_kv_unread_ends_its_lease(deployments, leaves):
+    """A router (a second one, in this process, over the same workers) whose client leaves right
+    after the first token, or that has no decode worker to hand the KV to (503): it ends the lease
+    itself, so the KV goes at once, not when the lease runs out (120 s)."""
+    (_, (prefill, decode)), _ = deployments
+    workers = {"prefill-0": prefill} if leaves == "with_no_decode_worker" else {"prefill-0": prefill, "decode-0": decode}
+    pool = WorkerPool("pd-rdt")
+    pool.discover(workers)
+    router = Orchestrator(pool, "disaggregated")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, seed=1)
+
+    async def ask() -> list:
+        stream, deltas = router.generate(f"dropped-{leaves}", [1, 5, 6, 7, 11], params), []
+        try:
+            deltas.append(await stream.__anext__())
+            if leaves == "with_no_decode_worker":
+                deltas.append(await stream.__anext__())
+        finally:
+            await stream.aclose()
+        return deltas
+
+    if leaves == "with_no_decode_worker":
+        with pytest.raises(APIError, match="no decode worker is alive"):
+            asyncio.run(ask())
+    else:
+        assert len(asyncio.run(ask())[0].token_ids) == 1
+    wait_for(lambda: held_leases(prefill) == 0 and rdt_objects(prefill) == 0, "the KV waits for its lease", 30)
 
 
 def test_many_handovers_lose_no_kv(deployments):
