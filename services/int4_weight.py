@@ -50,6 +50,7 @@ class Int4Weight:
     scale: torch.Tensor  # [N, Kp / G] float16
     low: torch.Tensor  # [N, Kp / G] float16: each group's minimum (q = 0)
     in_features: int  # K; the columns past it are padding, multiplied by zeros
+    rows_dropped: bool = False  # `without_rows`: `packed` keeps its shape, not its bytes
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
@@ -74,6 +75,8 @@ class Int4Weight:
 
     def levels(self) -> torch.Tensor:
         """q: [N, Kp] uint8 in 0..15, in column order (padding included)."""
+        if self.rows_dropped:
+            raise RuntimeError("this int4 weight dropped its row layout (its kernels read the panel copy)")
         return _unpack(self.packed)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -101,6 +104,15 @@ class Int4Weight:
     def to(self, device: torch.device) -> Int4Weight:
         return dataclasses.replace(self, packed=self.packed.to(device), scale=self.scale.to(device),
                                    low=self.low.to(device))
+
+    def without_rows(self) -> Int4Weight:
+        """The same weight without the row layout's bytes, for one whose every kernel reads a copy in another layout
+        (int4_panels.py, with its own parameters): `packed`, `scale` and `low` become shapes without storage, which the
+        native kernels refuse (not contiguous) and `levels` too, so nothing reads zeros in their place."""
+        def stub(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(1, 1, dtype=t.dtype, device=t.device).expand(t.shape)
+        return dataclasses.replace(self, packed=stub(self.packed), scale=stub(self.scale), low=stub(self.low),
+                                   rows_dropped=True)
 
     def with_packed(self, packed: torch.Tensor) -> Int4Weight:
         """The same weight reading its nibbles from `packed` (a copy placed elsewhere, e.g. huge pages)."""

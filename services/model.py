@@ -26,6 +26,7 @@ from services.attention import AttentionMetadata, paged_attention
 from services.int4_weight import Int4Weight
 from services.kernels.decode_chain import DecodeChains
 from services.kernels.decoder_glue import DecoderGlue, rms_norm
+from services.kernels.int4_panels import INT4_PANELS
 from services.kernels.kernel_plan import KernelPlan
 from services.model_config import ModelConfig
 from services.quantized_weight import Int8Weight, QuantizedWeight, quantize
@@ -76,6 +77,7 @@ class LlamaModel:
         matrices = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.plan = KernelPlan.choose(matrices, (self.num_heads, self.num_kv_heads, config.head_dim),
                                       self.embed.dtype, device, kernels)
+        self._drop_unread_layouts()
         self.decode_kernel = self.plan.decode_attention
         self.prefill_kernel = self.plan.prefill_attention  # None: SDPA (always on a GPU)
         self.glue = DecoderGlue(self.plan.native)  # residual adds, norms, rotary: one native pass each on a CPU
@@ -104,7 +106,7 @@ class LlamaModel:
                 return dataclasses.replace(weight, qweight=moved)
             return weight.with_packed(moved) if isinstance(weight, Int4Weight) else moved
 
-        arena = HugePageArena.create(sum(HugePageArena.size_of(data(getattr(o, n))) for o, n in owners))
+        arena = self._arena = HugePageArena.create(sum(HugePageArena.size_of(data(getattr(o, n))) for o, n in owners))
         if arena is None:
             return
         tied = self.embed is self.lm_head
@@ -114,6 +116,20 @@ class LlamaModel:
             setattr(owner, name, placed(weight, moved))
         if tied:
             self.embed = self.lm_head  # still one tensor: the lookup table is the output projection
+
+    def _drop_unread_layouts(self) -> None:
+        """Free the row layout of every int4 weight whose chosen kernels all read its panel copy (kernel_plan.py): an int4
+        weight then takes 0.625 bytes a value, not twice that."""
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight = getattr(layer, name)
+                if type(weight) is not Int4Weight or weight.rows_dropped or self.plan.reads_rows(weight):
+                    continue
+                dropped = weight.without_rows()
+                INT4_PANELS.rekey(weight, dropped)
+                setattr(layer, name, dropped)
+                if getattr(self, "_arena", None) is not None:
+                    self._arena.release(weight.packed)  # its pages: the tensor's bytes live as long as the arena
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> DecoderLayerWeights:
         attn = p + "self_attn."

@@ -39,7 +39,7 @@ class W4A8Weight(Int4Weight):
         q[:n] = int4.levels()
         octets = q.view(panels, PANEL, kp // 8, 2, 4).permute(0, 2, 1, 3, 4)  # [P, Kp / 8, 16, lo/hi, 4]
         packed = (octets[..., 0, :] | (octets[..., 1, :] << 4)).reshape(panels, kp * 8).contiguous()
-        return cls(packed, _in_panels(int4.scale, panels), _in_panels(int4.low, panels), int4.in_features, n)
+        return cls(packed, _in_panels(int4.scale, panels), _in_panels(int4.low, panels), int4.in_features, out_features=n)
 
     def levels(self) -> torch.Tensor:
         """q: [N, Kp] uint8 in 0..15, in column order (padding included)."""

@@ -43,6 +43,18 @@ class HugePageArena:
         self._offset += self.size_of(tensor)
         return out
 
+    def release(self, tensor: torch.Tensor) -> int:
+        """Give back to the system the pages that only `tensor` (a copy in this arena, read by nothing any more) covers;
+        the bytes released. Reading them afterwards would find zeros: the caller drops every reference's use first."""
+        start = tensor.data_ptr() - self._raw.data_ptr()
+        assert 0 <= start and start + tensor.numel() * tensor.element_size() <= self._end, "not in this arena"
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only: a neighbour's bytes stay
+        last = (start + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last <= first:
+            return 0
+        self._buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return last - first
+
     @classmethod
     def zeros(cls, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A CPU tensor of zeros in an arena of its own, or None where huge pages cannot be had. Its pages are

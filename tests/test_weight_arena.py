@@ -58,3 +58,17 @@ def test_the_engine_keeps_its_kv_pool_in_the_arena(tiny_path):
     runner = Engine(tiny_path).runner
     assert runner.kv_cache.data_ptr() % HUGE_PAGE == 0 and runner.kv_cache.is_contiguous()
     assert runner.kv_slots.data_ptr() == runner.kv_cache.data_ptr()
+
+
+def test_an_arena_gives_back_the_whole_pages_of_a_copy_alone():
+    arena = HugePageArena.create(3 * (1 << 20))
+    if arena is None:
+        pytest.skip("this platform has no madvise(MADV_HUGEPAGE)")
+    parts = [arena.copy(torch.full((n,), v, dtype=torch.uint8)) for n, v in ((1000, 1), (1 << 20, 2), (5000, 3))]
+    start = parts[1].data_ptr() - parts[0].data_ptr()  # 1024: the first part's bytes, rounded to a cache line
+    released = arena.release(parts[1])
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert released == (start + (1 << 20)) // mmap.PAGESIZE * mmap.PAGESIZE - first
+    assert int(parts[0].sum()) == 1000 and int(parts[2].sum()) == 3 * 5000  # the neighbours keep their bytes
+    freed = parts[1][first - start : first - start + released]
+    assert int(freed.count_nonzero()) == 0 and int(parts[1][: first - start].min()) == 2  # a shared page stays

@@ -17,6 +17,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias,
                                 int64_t streams, bool non_temporal);
+torch::Tensor int4_panel_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
+                                    int64_t N, torch::Tensor out);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_x16_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -100,6 +102,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "parts, prefetched into the caches or past them (non_temporal) (AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("bias"),
         py::arg("streams") = 1, py::arg("non_temporal") = false);
+  m.def("int4_panel_dequantize", &int4_panel_dequantize,
+        "W from the panel copy of a group-wise int4 weight (int4_panels.py), into out [N, K] bf16: prefill's dense "
+        "product without the row layout (AVX512-BF16 CPUs)",
+        py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("out"));
   m.def("pair_tiled_linear", &pair_tiled_linear,
         "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]) for batches, W bf16 (w), int8 (w, scale [N]) or group-wise int4 "
         "(packed, scale, low): W converted once a call into bf16 pair panels, vdpbf16ps register tiles "

@@ -37,5 +37,9 @@ class DequantBuffer(threading.local):
             data = self.data[key] = torch.empty(numel, dtype=dtype, device=device)
         return data[:numel].view(shape)
 
+    def release(self) -> None:
+        """Drop this thread's buffers (they are made again on next use)."""
+        self.data.clear()
+
 
 DEQUANT_BUFFER = DequantBuffer()

@@ -19,8 +19,10 @@ from types import ModuleType
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from services.int4_weight import GROUP, Int4Weight
+from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.weight_arena import HugePageArena
 
 PANEL = 16
@@ -88,6 +90,23 @@ class Int4Panels:
         def int4_panels(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
             return native.int4_panel_linear(x, *self.copy(weight), weight.shape[0], bias, streams, non_temporal)
         return int4_panels
+
+    def dequant_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]:
+        """Many rows (prefill): W dequantized whole from the panel copy (int4_panel_dequantize.cpp), then one dense bf16
+        product. Bit for bit `dequant.linear` (the same W from the row layout, the same product), so a weight whose
+        decode reads the panels can drop its row layout (`Int4Weight.without_rows`)."""
+        def dequant_panels(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+            out = DEQUANT_BUFFER.scratch((weight.shape[0], weight.in_features), torch.bfloat16, x.device)
+            copy = self.copy(weight)
+            dense = native.int4_panel_dequantize(copy.packed, copy.scale, copy.low, weight.shape[0], out)
+            return F.linear(x.to(torch.bfloat16), dense, None if bias is None else bias.to(torch.bfloat16)).to(x.dtype)
+        return dequant_panels
+
+    def rekey(self, old: Int4Weight, new: Int4Weight) -> None:
+        """`new` (the same values, e.g. `old.without_rows()`) takes over `old`'s copy."""
+        found = self._copies.pop(id(old.packed))
+        self._copies[id(new.packed)] = found
+        weakref.finalize(new.packed, self._copies.pop, id(new.packed), None)
 
     def keep(self, weights: Iterable[Int4Weight]) -> int:
         """Make every one of `weights`' copies now (not in the first request); returns their bytes."""

@@ -29,6 +29,7 @@ from services.int4_weight import Int4Weight
 from services.kernels import attention_choice
 from services.kernels import native as native_build
 from services.kernels.cold_cache import ColdCache
+from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.int4_panels import INT4_PANELS
 from services.kernels.linear_candidates import LinearFn, candidates
 from services.kernels.onednn_packs import ONEDNN_PACKS, fits
@@ -79,6 +80,10 @@ class KernelPlan:
                ) -> torch.Tensor:
         """y = x @ weight^T (+ bias); x: [M, K], weight [N, K] (any format) -> [M, N]."""
         return self._table[weight_key(weight)][bucket_of(x.shape[0])](x, weight, bias)
+
+    def reads_rows(self, weight: Int4Weight) -> bool:
+        """Whether any kernel chosen for this int4 weight reads its row layout (else only its panel copy)."""
+        return not all(_reads_panels(name) for name in self.linear_choices[weight_key(weight)])
 
     def chosen(self, weight: torch.Tensor | Int8Weight | Int4Weight, bucket: int) -> tuple[str, LinearFn]:
         """The candidate `linear` runs for `weight` in row bucket `bucket`: its name and its function."""
@@ -167,6 +172,8 @@ class KernelPlan:
         busy = device.type == "cpu" and cpu < 0.7 * wall * torch.get_num_threads()
         if not busy:
             cache.save()
+        DEQUANT_BUFFER.release()  # timing's buffers (float32 candidates' among them): in use, each thread makes its own
+        choices = {key: _from_panels_alone(key, names, native) for key, names in choices.items()}
         plan = cls(choices, attention, native, device, prefill_choice=prefill,
                    packed_bytes=_keep_chosen_copies(dense.values(), int4.values(), choices))
         where = (f"measured {measured} in {wall:.1f} s{', host busy: not cached' if busy else ''}" if measured
@@ -191,7 +198,7 @@ def _keep_chosen_copies(dense: Iterable[torch.Tensor], int4: Iterable[Int4Weight
             ONEDNN_PACKS.drop(weight)
     panels = []
     for weight in int4:
-        if any(name.startswith("native.panels") for name in choices[weight_key(weight)]):
+        if any(_reads_panels(name) for name in choices[weight_key(weight)]):
             panels.append(weight)
         else:
             INT4_PANELS.drop(weight)
@@ -269,3 +276,17 @@ def _read_json(path: os.PathLike) -> dict:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def _reads_panels(name: str) -> bool:
+    return name.startswith("native.panels") or name == "dequant.panels"
+
+
+def _from_panels_alone(key: tuple, names: tuple[str, ...], native: ModuleType | None) -> tuple[str, ...]:
+    """An int4 weight whose decode buckets all read its panel copy takes its prefill's dense W from there too where
+    the row layout's was chosen: bit for bit the same W and product (int4_panels.py), and the row layout, read by
+    nothing else, can go (`KernelPlan.reads_rows`)."""
+    if (key[-1] == "int4" and names[-1] == "dequant.linear" and all(_reads_panels(n) for n in names[:-1])
+            and hasattr(native, "int4_panel_dequantize")):
+        return (*names[:-1], "dequant.panels")
+    return names

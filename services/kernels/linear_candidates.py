@@ -156,6 +156,9 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
             and hasattr(native, "int4_panel_linear")):  # a copy of W in 16-row panels (int4_panels.py), bf16 x
         for streams, nt in PANEL_VARIANTS if max_rows == 1 else ((1, False), (1, True)):
             found[parts_name("native.panels", streams, nt)] = INT4_PANELS.linear(native, streams, nt)
+    if (weight_format == "int4" and on_cpu and packed and max_rows > 64 and compute in (None, torch.bfloat16)
+            and hasattr(native, "int4_panel_dequantize")):  # prefill from the panel copy: no row layout needed
+        found["dequant.panels"] = INT4_PANELS.dequant_linear(native)
     return found
 
 
