@@ -66,6 +66,23 @@ def test_fastest_times_the_reread_with_each_call(monkeypatch):
     assert len(timed) == 10 * 7  # 7 rounds, two candidates, five entries each
 
 
+def test_fastest_prefers_what_it_is_told_to_within_the_margin(monkeypatch):
+    # int4's decode buckets prefer the panels (a weight read only through them drops its row layout): a clock that
+    # charges each candidate its cost; the preferred one wins within PREFER_MARGIN (3%) of the fastest, not beyond
+    cost, now = {"row": 100, "panels": 102}, [0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def run(name: str) -> None:
+        now[0] += cost[name]
+
+    fns = {name: lambda name=name: run(name) for name in cost}
+    panels = lambda name: name == "panels"  # noqa: E731
+    assert _fastest(fns, torch.device("cpu"), rows=1) == "row"
+    assert _fastest(fns, torch.device("cpu"), rows=1, prefer=panels) == "panels"
+    cost["panels"] = 104
+    assert _fastest(fns, torch.device("cpu"), rows=1, prefer=panels) == "row"
+
+
 def test_the_hot_set_is_read_around_each_timed_call(monkeypatch):
     monkeypatch.setattr(cold_cache, "last_level_cache_bytes", lambda: 1 << 20)
     cold = ColdCache.for_weights([torch.ones(1 << 19)], torch.device("cpu"))

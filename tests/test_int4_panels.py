@@ -111,7 +111,7 @@ def test_the_plan_keeps_a_copy_only_where_it_chose_the_panels(panels_kernel, tmp
     g = torch.Generator().manual_seed(5)
     mats = [Int4Weight.quantize(torch.randn(n, k, generator=g)) for n, k in ((48, 64), (32, 128), (48, 64))]
 
-    def panels_win_one_row_of_48x64(fns, device, rows, before=None, after=None):
+    def panels_win_one_row_of_48x64(fns, device, rows, before=None, after=None, prefer=None):
         for fn in fns.values():  # as timing does: every candidate runs (so the panels' copies are made)
             fn()
         shape = next(iter(fns.values())).args[1].shape

@@ -86,7 +86,7 @@ def test_the_engine_drops_the_rows_and_answers_the_same(dequantize, tiny_path, t
     the panels) and kept (the substitution undone), the same tokens and logprobs, bit for bit."""
     monkeypatch.setattr(kernel_plan, "cache_root", lambda: tmp_path)
 
-    def panels_for_decode(fns, device, rows, before=None, after=None):
+    def panels_for_decode(fns, device, rows, before=None, after=None, prefer=None):
         return "native.panels" if "native.panels" in fns else "dequant.linear" if "dequant.linear" in fns else next(
             iter(fns))
 

@@ -159,7 +159,7 @@ def test_packed_copies_are_kept_only_where_chosen_and_only_when_they_fit(cache_d
         pytest.skip("this torch build packs no float32 weights for oneDNN")
     mats = weights()
     # as timing does, runs every candidate (so packs all)
-    def packed_wins_many_rows_of_32x16(fns, device, rows, before=None, after=None):
+    def packed_wins_many_rows_of_32x16(fns, device, rows, before=None, after=None, prefer=None):
         for fn in fns.values():
             fn()
         shape = next(iter(fns.values())).args[1].shape

@@ -74,7 +74,7 @@ def model_pair(request, tmp_path_factory):
     engines = {kernels: engine(kernels) for kernels in ("native", "torch")}
     with pytest.MonkeyPatch.context() as patch:  # oneDNN's packed weights wherever offered, in a cache of their own
         patch.setattr(kernel_plan, "cache_root", lambda: tmp_path_factory.mktemp("kernel-cache"))
-        patch.setattr(kernel_plan, "_fastest", lambda fns, device, rows, before=None, after=None: next(
+        patch.setattr(kernel_plan, "_fastest", lambda fns, device, rows, before=None, after=None, prefer=None: next(
             (n for n in fns if n == "onednn.packed"), next(iter(fns))))
         engines["packed"] = engine("torch", device="cpu")  # oneDNN packs are CPU kernels (on a GPU host too)
     return hf, engines

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 BUCKETS = ("1", "2-8", "9-64", "65+")
 PROBE_ROWS = (1, 4, 32, 128)  # the row count each bucket is timed at
 MAX_ROWS = (1, 8, 64, 1 << 62)
+# int4 decode buckets prefer the panels within this margin: a weight whose every decode bucket reads them drops its row
+# layout (model.py), and between candidates this close the timing's noise, not the kernels, would decide its memory
+PREFER_MARGIN = 1.03
 TIMING = 4  # how candidates are timed (_fastest, cold_cache.py, the int4 panel copies' pages); a change re-times all
 
 
@@ -149,7 +152,8 @@ class KernelPlan:
                     timed_cold = cold is not None and rows <= 64
                     name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows,
                                     partial(cold.evict, weight) if timed_cold else None,
-                                    cold.reread if timed_cold else None)
+                                    cold.reread if timed_cold else None,
+                                    prefer=_reads_panels if key[-1] == "int4" and rows <= 64 else None)
                     measured += len(found) > 1 and cache.put(entry, name)
                 names.append(name)
             choices[key] = tuple(names)
@@ -206,9 +210,11 @@ def _keep_chosen_copies(dense: Iterable[torch.Tensor], int4: Iterable[Int4Weight
 
 
 def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int,
-             before: Callable[[], object] | None = None, after: Callable[[], object] | None = None) -> str:
+             before: Callable[[], object] | None = None, after: Callable[[], object] | None = None,
+             prefer: Callable[[str], bool] | None = None) -> str:
     """The name of the fastest of `fns`, best of interleaved rounds; `before` runs, untimed, ahead of each call,
-    `after` right after it, timed with it (cold_cache.py: what the call evicted, read again)."""
+    `after` right after it, timed with it (cold_cache.py: what the call evicted, read again). The fastest of those
+    `prefer` names wins if it is within PREFER_MARGIN of the fastest of all."""
     if len(fns) == 1:
         return next(iter(fns))
     best = dict.fromkeys(fns, float("inf"))
@@ -228,7 +234,9 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: i
                 best[name] = min(best[name], time.perf_counter() - start)
             if round_ == 0:  # a candidate 3x slower than the best will not win: stop timing it
                 fns = {n: f for n, f in fns.items() if best[n] <= 3 * min(best.values())}
-    return min(best, key=best.get)
+    fastest = min(best, key=best.get)
+    preferred = [n for n in best if prefer is not None and prefer(n) and best[n] <= PREFER_MARGIN * best[fastest]]
+    return min(preferred, key=best.get) if preferred else fastest
 
 
 @dataclass
