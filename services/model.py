@@ -92,6 +92,7 @@ class LlamaModel:
 
     def _into_huge_pages(self) -> None:
         """Every matrix a decode step streams, moved into 2 MB pages (services/weight_arena.py)."""
+        self._arena = None
         if self.embed.device.type != "cpu":
             return
         owners = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
@@ -128,7 +129,7 @@ class LlamaModel:
                 dropped = weight.without_rows()
                 INT4_PANELS.rekey(weight, dropped)
                 setattr(layer, name, dropped)
-                if getattr(self, "_arena", None) is not None:
+                if self._arena is not None:
                     self._arena.release(weight.packed)  # its pages: the tensor's bytes live as long as the arena
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> DecoderLayerWeights:
