@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "int4_panel_octets.h"
 #include "thread_chunks.h"
 #include "transpose16.h"
 
@@ -29,7 +30,6 @@ constexpr int64_t kPanel = 16, kGroup = 32;
 void dequantize_panel(const uint8_t* packed, const at::Half* scale, const at::Half* low, int64_t p, int64_t K,
                       int64_t Kp, int64_t N, at::BFloat16* out) {
   const int64_t groups = Kp / kGroup, octets = Kp / 8, n0 = p * kPanel, live = std::min(kPanel, N - n0);
-  const __m512i mask = _mm512_set1_epi8(0x0F), tag = _mm512_set1_epi8(0x43);
   const __m512i high_word = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   // cvtne2ps_pbh(odd, even) gives [even 0..15, odd 0..15]; this puts each lane's pair back together
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -41,10 +41,8 @@ void dequantize_panel(const uint8_t* packed, const at::Half* scale, const at::Ha
     const __m512 lw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + at)));
     __m512i column_pairs[16], rows[16];  // [4 o + u]: lane r = row r's columns 32g + 8o + 2u, + 1 as a bf16 pair
     for (int o = 0; o < 4; ++o) {
-      const __m512i v = _mm512_loadu_si512(packed + (p * octets + 4 * g + o) * 64);
-      const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-      const __m512i w[4] = {_mm512_unpacklo_epi8(lo, tag), _mm512_unpackhi_epi8(lo, tag),
-                            _mm512_unpacklo_epi8(hi, tag), _mm512_unpackhi_epi8(hi, tag)};
+      __m512i w[4];
+      int4_panels::octet_words(packed + (p * octets + 4 * g + o) * 64, w);
       for (int u = 0; u < 4; ++u) {  // 128 + q as floats, exactly: the low word shifted up, the high one masked
         const __m512 even = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w[u], 16)), bias);
         const __m512 odd = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_and_si512(w[u], high_word)), bias);
@@ -67,13 +65,7 @@ torch::Tensor int4_panel_dequantize(const torch::Tensor& packed, const torch::Te
                   out.size(0) == N && out.size(1) > 0,
               "out must be a contiguous CPU bfloat16 [N, K]");
   const int64_t K = out.size(1), Kp = (K + 63) / 64 * 64, P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(N > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu() &&
-                  packed.numel() == P * Kp * 8,
-              "packed must be a contiguous CPU uint8 [ceil(N / 16), Kp / 8, 64] for out's K");
-  for (const auto* t : {&scale, &low})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->device().is_cpu() &&
-                    t->numel() == P * Kp / kGroup * kPanel,
-                "scale and low must be contiguous CPU float16 [ceil(N / 16), Kp / 32, 16]");
+  int4_panels::check_copy(packed, scale, low, N, Kp);
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const at::Half *s = scale.data_ptr<at::Half>(), *lo = low.data_ptr<at::Half>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "count_dispatch.h"
+#include "int4_panel_octets.h"
 #include "thread_chunks.h"
 #include "w4a8_panels.h"
 #include "x16_groups.h"
@@ -49,7 +50,6 @@ void panel_dots(const uint8_t* packed, const at::Half* scale, const at::Half* lo
   static_assert(MT == 1 || S == 1, "several panels at once for one x row only");
   constexpr int C = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
   const int64_t groups = Kp / kGroup, octets = Kp / 8;
-  const __m512i mask = _mm512_set1_epi8(0x0F), tag = _mm512_set1_epi8(0x43);
   __m512 acc[S][MT];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < MT; ++m) acc[s][m] = _mm512_setzero_ps();
@@ -62,10 +62,8 @@ void panel_dots(const uint8_t* packed, const at::Half* scale, const at::Half* lo
       for (int s = 0; s < S; ++s) {
         const uint8_t* at = packed + ((p + s * apart) * octets + o) * 64;
         __builtin_prefetch(at + kAheadBytes / S, 0, Locality);
-        const __m512i v = _mm512_loadu_si512(at);
-        const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        const __m512i w[4] = {_mm512_unpacklo_epi8(lo, tag), _mm512_unpackhi_epi8(lo, tag),
-                              _mm512_unpacklo_epi8(hi, tag), _mm512_unpackhi_epi8(hi, tag)};
+        __m512i w[4];
+        int4_panels::octet_words(at, w);
         for (int u = 0; u < 4; ++u)
           for (int m = 0; m < MT; ++m)
             d[s][m][u % C] = _mm512_dpbf16_ps(d[s][m][u % C], (__m512bh)w[u],
@@ -134,13 +132,8 @@ torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& pac
               "x must be a CPU bfloat16 [M, K]");
   TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "streams must be 1, 2 or 4, got ", streams);
   const int64_t M = x.size(0), K = x.size(1), Kp = (K + 63) / 64 * 64, P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(N > 0 && K > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.device().is_cpu() && packed.numel() == P * Kp * 8,
-              "packed must be a contiguous CPU uint8 [ceil(N / 16), Kp / 8, 64] for x's K");
-  for (const auto* t : {&scale, &low})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->device().is_cpu() &&
-                    t->numel() == P * Kp / kGroup * kPanel,
-                "scale and low must be contiguous CPU float16 [ceil(N / 16), Kp / 32, 16]");
+  TORCH_CHECK(K > 0, "x must have columns");
+  int4_panels::check_copy(packed, scale, low, N, Kp);
   torch::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "bias must have N elements");
