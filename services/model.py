@@ -24,10 +24,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
 from services.int4_weight import Int4Weight
+from services.kernels.bf16_panels import BF16_PANELS, without_values
 from services.kernels.decode_chain import DecodeChains
 from services.kernels.decoder_glue import DecoderGlue, rms_norm
 from services.kernels.int4_panels import INT4_PANELS
 from services.kernels.kernel_plan import KernelPlan
+from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.model_config import ModelConfig
 from services.quantized_weight import Int8Weight, QuantizedWeight, quantize
 from services.rotary import RotaryEmbedding
@@ -119,18 +121,29 @@ class LlamaModel:
             self.embed = self.lm_head  # still one tensor: the lookup table is the output projection
 
     def _drop_unread_layouts(self) -> None:
-        """Free the row layout of every int4 weight whose chosen kernels all read its panel copy (kernel_plan.py): an int4
-        weight then takes 0.625 bytes a value, not twice that."""
-        for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                weight = getattr(layer, name)
-                if type(weight) is not Int4Weight or weight.rows_dropped or self.plan.reads_rows(weight):
-                    continue
-                dropped = weight.without_rows()
+        """Free the own layout of every weight whose chosen kernels all read its copies (kernel_plan.py: int4's panels;
+        a dense weight's panels or oneDNN's packed copy): an int4 weight then takes 0.625 bytes a value, not twice that,
+        a bf16 one read only by the panel kernel 2 bytes, not 4. A tied output projection keeps its rows: they are the
+        embedding's lookup table."""
+        owners = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        if self.lm_head is not self.embed:
+            owners.append((self, "lm_head"))
+        for owner, name in owners:
+            weight = getattr(owner, name)
+            if type(weight) is Int4Weight and not weight.rows_dropped and not self.plan.reads_rows(weight):
+                dropped, bytes_ = weight.without_rows(), weight.packed
                 INT4_PANELS.rekey(weight, dropped)
-                setattr(layer, name, dropped)
-                if self._arena is not None:
-                    self._arena.release(weight.packed)  # its pages: the tensor's bytes live as long as the arena
+            elif (type(weight) is torch.Tensor and weight.device.type == "cpu" and not self.plan.reads_rows(weight)
+                  and (BF16_PANELS.holds(weight) or ONEDNN_PACKS.holds(weight))):
+                dropped, bytes_ = without_values(weight), weight
+                for copies in (BF16_PANELS, ONEDNN_PACKS):
+                    if copies.holds(weight):
+                        copies.rekey(weight, dropped)
+            else:
+                continue
+            setattr(owner, name, dropped)
+            if self._arena is not None:
+                self._arena.release(bytes_)  # its pages: the tensor's bytes live as long as the arena
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> DecoderLayerWeights:
         attn = p + "self_attn."

@@ -41,9 +41,12 @@ class ModelCost:
                 add(tensor.low, None)
                 params = tensor.shape.numel()
                 tensor = tensor.packed
-            if tensor is None or tensor.data_ptr() in seen:
+            # by address: a tied output projection is the embedding; a weight held only in its copies has no storage
+            # (bf16_panels.ValuesDropped, address 0): by identity
+            where = None if tensor is None else tensor.data_ptr() or id(tensor)
+            if where is None or where in seen:
                 return
-            seen.add(tensor.data_ptr())
+            seen.add(where)
             if key is not None:
                 counts[key] += tensor.numel() if params is None else params
             counts["bytes"] += tensor.numel() * tensor.element_size()

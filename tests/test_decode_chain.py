@@ -63,6 +63,8 @@ def test_the_chain_has_the_loops_logits_bit_for_bit_with_every_kernel(native, ti
         native_kinds.add("w4a8")
     if quantization == "int4" and dtype == "bfloat16" and hasattr(native, "int4_panel_linear"):
         native_kinds.add("int4_panels")  # its panel copy (bf16 x only)
+    if quantization is None and dtype == "bfloat16" and hasattr(native, "bf16_panel_linear"):
+        native_kinds.add("bf16_panels")  # a dense bf16 weight's panel copy
     if quantization == "w8a8":  # w8a8's tiles and rows (its panels take 9+ rows: never a chain's)
         native_kinds |= {k for k, f in (("w8a8", "w8a8_linear"), ("w8a8_row", "w8a8_row_linear")) if hasattr(native, f)}
     # w4a8's one candidate where its kernel is built is that kernel; every other format also offers torch's products

@@ -11,8 +11,8 @@ from services import Engine, SamplingParams
 from services.int4_weight import Int4Weight
 from services.kernels import kernel_plan
 from services.kernels.int4_panels import INT4_PANELS, panel_copy
-from services.kernels.kernel_plan import _from_panels_alone
 from services.kernels.linear_candidates import candidates
+from services.kernels.weight_layouts import from_panels_alone
 from services.roofline import ModelCost
 
 SHAPES = [(9, 172), (33, 2048), (5, 64), (40, 100), (16, 8), (17, 1), (48, 96)]
@@ -73,12 +73,12 @@ def test_a_weight_without_rows_refuses_every_reader_of_them(native, dequantize):
 
 def test_prefill_reads_the_panels_only_where_every_decode_bucket_does(native, dequantize):
     panels = ("native.panels.2streams", "native.panels", "native.panels.nt")
-    assert _from_panels_alone((8, 64, "int4"), (*panels, "dequant.linear"), native) == (*panels, "dequant.panels")
+    assert from_panels_alone((8, 64, "int4"), (*panels, "dequant.linear"), native) == (*panels, "dequant.panels")
     for names in [("native.x16", *panels[1:], "dequant.linear"),  # a decode bucket reads the rows: both stay
                   (*panels, "dequant.float32")]:  # not the same W: its own product
-        assert _from_panels_alone((8, 64, "int4"), names, native) == names
-    assert _from_panels_alone((8, 64, "w4a8"), (*panels, "dequant.linear"), native) == (*panels, "dequant.linear")
-    assert _from_panels_alone((8, 64, "int4"), (*panels, "dequant.linear"), None) == (*panels, "dequant.linear")
+        assert from_panels_alone((8, 64, "int4"), names, native) == names
+    assert from_panels_alone((8, 64, "w4a8"), (*panels, "dequant.linear"), native) == (*panels, "dequant.linear")
+    assert from_panels_alone((8, 64, "int4"), (*panels, "dequant.linear"), None) == (*panels, "dequant.linear")
 
 
 def test_the_engine_drops_the_rows_and_answers_the_same(dequantize, tiny_path, tmp_path, monkeypatch):
@@ -102,7 +102,7 @@ def test_the_engine_drops_the_rows_and_answers_the_same(dequantize, tiny_path, t
         return dropped, cost, [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
 
     dropped, cost, answers = run()
-    monkeypatch.setattr(kernel_plan, "_from_panels_alone", lambda key, names, native: names)
+    monkeypatch.setattr(kernel_plan, "from_panels_alone", lambda key, names, native: names)
     kept, cost_kept, again = run()
     assert all(dropped) and not any(kept)
     assert answers == again and cost == cost_kept

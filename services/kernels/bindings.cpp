@@ -17,6 +17,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias,
                                 int64_t streams, bool non_temporal);
+torch::Tensor bf16_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                                const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
 torch::Tensor int4_panel_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                                     int64_t N, torch::Tensor out);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -102,6 +104,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "parts, prefetched into the caches or past them (non_temporal) (AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("bias"),
         py::arg("streams") = 1, py::arg("non_temporal") = false);
+  m.def("bf16_panel_linear", &bf16_panel_linear,
+        "y[M, N] = x[M, K] (bf16) @ W^T (+ bias[N]), W bf16 in 16-row panels of column pairs (bf16_panels.py's copy of "
+        "a dense weight), any row count; for one x row each thread reads its panels as `streams` (1, 2 or 4) parts, "
+        "prefetched into the caches or past them (non_temporal) (AVX512-BF16 CPUs)",
+        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias"), py::arg("streams") = 1,
+        py::arg("non_temporal") = false);
   m.def("int4_panel_dequantize", &int4_panel_dequantize,
         "W from the panel copy of a group-wise int4 weight (int4_panels.py), into out [N, K] bf16: prefill's dense "
         "product without the row layout (AVX512-BF16 CPUs)",

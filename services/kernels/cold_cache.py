@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from services.kernels.bf16_panels import BF16_PANELS
 from services.kernels.int4_panels import INT4_PANELS
 
 DEFAULT_LLC_BYTES = 32 << 20  # where sysfs does not say (not Linux)
@@ -91,8 +92,8 @@ class ColdCache:
                 swept += tensor.nbytes
                 if swept >= self.budget:
                     break
-        if self.flush is not None:  # and an int4 weight's panel copy: on a large adaptive L3 the sweep leaves some
-            for tensor in [*weight_tensors(weight), *INT4_PANELS.held(weight)]:
+        if self.flush is not None:  # and a weight's panel copy: on a large adaptive L3 the sweep leaves some
+            for tensor in [*weight_tensors(weight), *INT4_PANELS.held(weight), *BF16_PANELS.held(weight)]:
                 self.flush(tensor)
         self.hot.sum()
 

@@ -50,10 +50,12 @@ torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define PDSERVE_INT4_PANELS
+#define PDSERVE_PANELS
 torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias,
                                 int64_t streams, bool non_temporal);
+torch::Tensor bf16_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                                const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PDSERVE_W8A8_ROWS
@@ -85,8 +87,9 @@ ChainProduct::ChainProduct(std::string name, std::vector<c10::optional<torch::Te
 #if defined(PDSERVE_W8A8_ROWS)
   else if (name == "w8a8_row") kernel = Kernel::kW8a8Row, want_tensors = 2;
 #endif
-#if defined(PDSERVE_INT4_PANELS)
+#if defined(PDSERVE_PANELS)
   else if (name == "int4_panels") kernel = Kernel::kInt4Panels, want_tensors = 3, want_options = 3;
+  else if (name == "bf16_panels") kernel = Kernel::kBf16Panels, want_tensors = 1, want_options = 3;
 #endif
   else if (name == "call") kernel = Kernel::kCall, want_options = 0;
   else TORCH_CHECK(false, "no chain kernel named ", name, " in this build");
@@ -113,9 +116,11 @@ torch::Tensor ChainProduct::operator()(const torch::Tensor& x) const {
 #if defined(PDSERVE_W8A8_ROWS)
     case Kernel::kW8a8Row: return w8a8_row_linear(x, *tensors[0], *tensors[1], bias, options[0], options[1]);
 #endif
-#if defined(PDSERVE_INT4_PANELS)
+#if defined(PDSERVE_PANELS)
     case Kernel::kInt4Panels:
       return int4_panel_linear(x, *tensors[0], *tensors[1], *tensors[2], options[0], bias, options[1], options[2]);
+    case Kernel::kBf16Panels:
+      return bf16_panel_linear(x, *tensors[0], options[0], bias, options[1], options[2]);
 #endif
     default: {
       py::gil_scoped_acquire python;  // run() let go of it

@@ -16,6 +16,8 @@
 //          "w4a8":     tensors (packed, scale, low) of a W4A8Weight, options (out_features)  (AVX512-VNNI or AVX2 builds)
 //          "int4_panels": tensors (packed, scale, low) of an Int4Weight's panel copy (int4_panels.py), options
 //                      (out_features, streams, non_temporal)                                  (AVX512-BF16 builds)
+//          "bf16_panels": tensors (panels) of a dense bf16 weight's panel copy (bf16_panels.py), options as
+//                      int4_panels'                                                           (AVX512-BF16 builds)
 //          "call":     call(x) -> y, the weight and bias bound in (no tensors, no options)
 struct ChainProduct {
   ChainProduct(std::string kernel, std::vector<c10::optional<torch::Tensor>> tensors, c10::optional<torch::Tensor> bias,
@@ -23,7 +25,7 @@ struct ChainProduct {
   torch::Tensor operator()(const torch::Tensor& x) const;
 
   enum class Kernel {
-    kSkinny, kInt8X16, kInt4, kInt4X16, kInt8Digits, kW8a8, kW8a8Row, kW4a8, kInt4Panels, kCall
+    kSkinny, kInt8X16, kInt4, kInt4X16, kInt8Digits, kW8a8, kW8a8Row, kW4a8, kInt4Panels, kBf16Panels, kCall
   } kernel;
   std::vector<c10::optional<torch::Tensor>> tensors;
   c10::optional<torch::Tensor> bias;

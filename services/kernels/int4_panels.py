@@ -13,8 +13,7 @@ O = Kp / 8 column octets, G = 32.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 from services.int4_weight import GROUP, Int4Weight
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
-from services.weight_arena import HugePageArena
+from services.kernels.weight_copies import WeightCopies
 
 PANEL = 16
 
@@ -46,7 +45,7 @@ class PanelCopy(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + 2 * self.scale.numel() * self.scale.element_size()
+        return sum(t.nbytes for t in self)
 
 
 def panel_copy(weight: Int4Weight) -> PanelCopy:
@@ -69,20 +68,15 @@ def panel_copy(weight: Int4Weight) -> PanelCopy:
     return PanelCopy(packed, by_panel(weight.scale), by_panel(weight.low))
 
 
-class Int4Panels:
+def _int4_key(weight: object) -> torch.Tensor | None:
+    return weight.packed if type(weight) is Int4Weight else None
+
+
+class Int4Panels(WeightCopies[PanelCopy]):
     """Per int4 weight (by the identity of its bytes): its panel copy, dropped with the weight or by `drop`."""
 
     def __init__(self) -> None:
-        self._copies: dict[int, PanelCopy] = {}
-
-    def copy(self, weight: Int4Weight) -> PanelCopy:
-        """`weight`'s panel copy (made on first use)."""
-        key = id(weight.packed)
-        found = self._copies.get(key)
-        if found is None:
-            found = self._copies[key] = _in_huge_pages(panel_copy(weight))
-            weakref.finalize(weight.packed, self._copies.pop, key, None)
-        return found
+        super().__init__(panel_copy, _int4_key)
 
     def linear(self, native: ModuleType, streams: int, non_temporal: bool
                ) -> Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]:
@@ -101,37 +95,6 @@ class Int4Panels:
             dense = native.int4_panel_dequantize(copy.packed, copy.scale, copy.low, weight.shape[0], out)
             return F.linear(x.to(torch.bfloat16), dense, None if bias is None else bias.to(torch.bfloat16)).to(x.dtype)
         return dequant_panels
-
-    def rekey(self, old: Int4Weight, new: Int4Weight) -> None:
-        """`new` (the same values, e.g. `old.without_rows()`) takes over `old`'s copy."""
-        found = self._copies.pop(id(old.packed))
-        self._copies[id(new.packed)] = found
-        weakref.finalize(new.packed, self._copies.pop, id(new.packed), None)
-
-    def keep(self, weights: Iterable[Int4Weight]) -> int:
-        """Make every one of `weights`' copies now (not in the first request); returns their bytes."""
-        copies = {id(weight.packed): self.copy(weight) for weight in weights}
-        return sum(copy.nbytes for copy in copies.values())
-
-    def held(self, weight: object) -> tuple[torch.Tensor, ...]:
-        """The tensors of `weight`'s copy where it has one (the kernel plan flushes them before timing), else ()."""
-        packed = getattr(weight, "packed", None)
-        return tuple(self._copies.get(id(packed), ())) if isinstance(packed, torch.Tensor) else ()
-
-    def holds(self, weight: Int4Weight) -> bool:
-        return id(weight.packed) in self._copies
-
-    def drop(self, weight: Int4Weight) -> None:
-        self._copies.pop(id(weight.packed), None)
-
-
-def _in_huge_pages(copy: PanelCopy) -> PanelCopy:
-    """`copy` moved into 2 MB pages of its own where the host allows (services/weight_arena.py), made so from the
-    start: the weights are in 2 MB pages before the plan times them, and a copy timed in torch's 4 KB pages raced them
-    at a disadvantage it would not have in use (copies in 4 KB pages: the `1b` int4 step 26.1 against 24.6 ms,
-    session 38). An arena of its own, so a copy timed and not chosen is freed with it."""
-    arena = HugePageArena.create(sum(HugePageArena.size_of(t) for t in copy))
-    return copy if arena is None else PanelCopy(*(arena.copy(t) for t in copy))
 
 
 INT4_PANELS = Int4Panels()

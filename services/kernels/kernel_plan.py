@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
@@ -30,9 +30,16 @@ from services.kernels import attention_choice
 from services.kernels import native as native_build
 from services.kernels.cold_cache import ColdCache
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
-from services.kernels.int4_panels import INT4_PANELS
 from services.kernels.linear_candidates import LinearFn, candidates
-from services.kernels.onednn_packs import ONEDNN_PACKS, fits
+from services.kernels.onednn_packs import fits
+from services.kernels.weight_layouts import (
+    PREFER_MARGIN,
+    from_panels_alone,
+    keep_chosen_copies,
+    prefers_panels,
+    reads_panels,
+    reads_three_layouts,
+)
 from services.quantized_weight import Int8Weight
 from services.w4a8_weight import W4A8Weight
 
@@ -41,9 +48,6 @@ log = logging.getLogger(__name__)
 BUCKETS = ("1", "2-8", "9-64", "65+")
 PROBE_ROWS = (1, 4, 32, 128)  # the row count each bucket is timed at
 MAX_ROWS = (1, 8, 64, 1 << 62)
-# int4 decode buckets prefer the panels within this margin: a weight whose every decode bucket reads them drops its row
-# layout (model.py), and between candidates this close the timing's noise, not the kernels, would decide its memory
-PREFER_MARGIN = 1.03
 TIMING = 4  # how candidates are timed (_fastest, cold_cache.py, the int4 panel copies' pages); a change re-times all
 
 
@@ -84,9 +88,10 @@ class KernelPlan:
         """y = x @ weight^T (+ bias); x: [M, K], weight [N, K] (any format) -> [M, N]."""
         return self._table[weight_key(weight)][bucket_of(x.shape[0])](x, weight, bias)
 
-    def reads_rows(self, weight: Int4Weight) -> bool:
-        """Whether any kernel chosen for this int4 weight reads its row layout (else only its panel copy)."""
-        return not all(_reads_panels(name) for name in self.linear_choices[weight_key(weight)])
+    def reads_rows(self, weight: torch.Tensor | Int4Weight) -> bool:
+        """Whether any kernel chosen for this weight (int4 or dense) reads its own layout (else only its copies: panels,
+        oneDNN's)."""
+        return not all(reads_panels(n) or n == "onednn.packed" for n in self.linear_choices[weight_key(weight)])
 
     def chosen(self, weight: torch.Tensor | Int8Weight | Int4Weight, bucket: int) -> tuple[str, LinearFn]:
         """The candidate `linear` runs for `weight` in row bucket `bucket`: its name and its function."""
@@ -130,33 +135,40 @@ class KernelPlan:
                   and fits(sum(w.nbytes for w in (*dense.values(), *int4.values()))))
         choices: dict[tuple, tuple[str, ...]] = {}
         cold = ColdCache.for_weights(weights, device, getattr(native, "flush_cache_lines", None))
-        for weight in weights:
+
+        def choose_bucket(weight: torch.Tensor | Int8Weight | Int4Weight, b: int,
+                          offered: Callable[[str], bool] = lambda name: True) -> str:
+            nonlocal measured
             key = weight_key(weight)
-            if key in choices:
+            found = {name: fn for name, fn in candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b],
+                                                         native, packed, compute=dtype).items() if offered(name)}
+            if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
+                # the native kernel where it runs (few rows), else w4a8's or w8a8's own product (every row
+                # count), else the first (torch.linear / dequant.linear)
+                name = next((n for n in ("native", "native.w4a8", "native.w8a8", "int8.dynamic") if n in found),
+                            next(iter(found)))
+                found = {name: found[name]}
+            entry = f"linear {'x'.join(map(str, key[:-1]))} {key[-1]} rows {BUCKETS[b]} among {','.join(sorted(found))}"
+            name = cache.get(entry, found)
+            if name is None:
+                rows = PROBE_ROWS[b]
+                x = torch.randn(rows, weight.shape[1], device=device).to(dtype)
+                # few rows read W from memory in the engine (cold): time them so; many rows are compute-bound
+                timed_cold = cold is not None and rows <= 64
+                name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows,
+                                partial(cold.evict, weight) if timed_cold else None,
+                                cold.reread if timed_cold else None, prefer=prefers_panels(key, rows))
+                measured += len(found) > 1 and cache.put(entry, name)
+            return name
+
+        for weight in weights:
+            if weight_key(weight) in choices:
                 continue
-            names = []
-            for b, rows in enumerate(PROBE_ROWS):
-                found = candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b], native, packed,
-                                   compute=dtype)
-                if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
-                    # the native kernel where it runs (few rows), else w4a8's or w8a8's own product (every row
-                    # count), else the first (torch.linear / dequant.linear)
-                    name = next((n for n in ("native", "native.w4a8", "native.w8a8", "int8.dynamic") if n in found),
-                                next(iter(found)))
-                    found = {name: found[name]}
-                entry = f"linear {'x'.join(map(str, key[:-1]))} {key[-1]} rows {BUCKETS[b]} among {','.join(sorted(found))}"
-                name = cache.get(entry, found)
-                if name is None:
-                    x = torch.randn(rows, weight.shape[1], device=device).to(dtype)
-                    # few rows read W from memory in the engine (cold): time them so; many rows are compute-bound
-                    timed_cold = cold is not None and rows <= 64
-                    name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows,
-                                    partial(cold.evict, weight) if timed_cold else None,
-                                    cold.reread if timed_cold else None,
-                                    prefer=_reads_panels if key[-1] == "int4" and rows <= 64 else None)
-                    measured += len(found) > 1 and cache.put(entry, name)
-                names.append(name)
-            choices[key] = tuple(names)
+            names = [choose_bucket(weight, b) for b in range(len(BUCKETS))]
+            if reads_three_layouts(names):  # rows, oneDNN's copy and the panels: the panels' buckets chosen again
+                names = [choose_bucket(weight, b, lambda n: not reads_panels(n)) if reads_panels(name) else name
+                         for b, name in enumerate(names)]
+            choices[weight_key(weight)] = tuple(names)
         if (device.type == "cpu" and any(key[-1] == "w8a8" for key in choices) and not native_build.int8_dot_products()
                 and not hasattr(native, "w8a8_linear")):
             log.warning("w8a8 on a CPU without int8 dot-product instructions (VNNI, AMX) and without the native w8a8 "
@@ -177,9 +189,10 @@ class KernelPlan:
         if not busy:
             cache.save()
         DEQUANT_BUFFER.release()  # timing's buffers (float32 candidates' among them): in use, each thread makes its own
-        choices = {key: _from_panels_alone(key, names, native) for key, names in choices.items()}
+        choices = {key: from_panels_alone(key, names, native) for key, names in choices.items()}
         plan = cls(choices, attention, native, device, prefill_choice=prefill,
-                   packed_bytes=_keep_chosen_copies(dense.values(), int4.values(), choices))
+                   packed_bytes=keep_chosen_copies(dense.values(), int4.values(),
+                                                   lambda w: choices[weight_key(w)]))
         where = (f"measured {measured} in {wall:.1f} s{', host busy: not cached' if busy else ''}" if measured
                  else "from the cache")
         plan.summary = (f"kernels on {native_build.cpu_model()}, {torch.get_num_threads()} threads, mode {mode} "
@@ -189,32 +202,12 @@ class KernelPlan:
         return plan
 
 
-def _keep_chosen_copies(dense: Iterable[torch.Tensor], int4: Iterable[Int4Weight],
-                        choices: dict[tuple, tuple[str, ...]]) -> int:
-    """Make now (not in the first request) the copy of every weight whose plan chose a kernel reading its own copy
-    (oneDNN's packed dense weights, int4's panels), drop the copies timing made of the others; returns the bytes
-    kept."""
-    kept = 0
-    for weight in dense:
-        if "onednn.packed" in choices[weight_key(weight)]:
-            kept += ONEDNN_PACKS.packed(weight).numel() * weight.element_size()
-        else:
-            ONEDNN_PACKS.drop(weight)
-    panels = []
-    for weight in int4:
-        if any(_reads_panels(name) for name in choices[weight_key(weight)]):
-            panels.append(weight)
-        else:
-            INT4_PANELS.drop(weight)
-    return kept + INT4_PANELS.keep(panels)
-
-
 def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int,
              before: Callable[[], object] | None = None, after: Callable[[], object] | None = None,
              prefer: Callable[[str], bool] | None = None) -> str:
     """The name of the fastest of `fns`, best of interleaved rounds; `before` runs, untimed, ahead of each call,
     `after` right after it, timed with it (cold_cache.py: what the call evicted, read again). The fastest of those
-    `prefer` names wins if it is within PREFER_MARGIN of the fastest of all."""
+    `prefer` names wins if it is within PREFER_MARGIN (weight_layouts.py) of the fastest of all."""
     if len(fns) == 1:
         return next(iter(fns))
     best = dict.fromkeys(fns, float("inf"))
@@ -284,17 +277,3 @@ def _read_json(path: os.PathLike) -> dict:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
-
-
-def _reads_panels(name: str) -> bool:
-    return name.startswith("native.panels") or name == "dequant.panels"
-
-
-def _from_panels_alone(key: tuple, names: tuple[str, ...], native: ModuleType | None) -> tuple[str, ...]:
-    """An int4 weight whose decode buckets all read its panel copy takes its prefill's dense W from there too where
-    the row layout's was chosen: bit for bit the same W and product (int4_panels.py), and the row layout, read by
-    nothing else, can go (`KernelPlan.reads_rows`)."""
-    if (key[-1] == "int4" and names[-1] == "dequant.linear" and all(_reads_panels(n) for n in names[:-1])
-            and hasattr(native, "int4_panel_dequantize")):
-        return (*names[:-1], "dequant.panels")
-    return names

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from services.int4_weight import GROUP, Int4Weight
 from services.kernels.batch_candidates import batch_candidates
+from services.kernels.bf16_panels import BF16_PANELS
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.int4_panels import INT4_PANELS
 from services.kernels.onednn_packs import ONEDNN_PACKS
@@ -159,6 +160,10 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if (weight_format == "int4" and on_cpu and packed and max_rows > 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int4_panel_dequantize")):  # prefill from the panel copy: no row layout needed
         found["dequant.panels"] = INT4_PANELS.dequant_linear(native)
+    if (weight_format == "bfloat16" and on_cpu and packed and compute in (None, torch.bfloat16)
+            and hasattr(native, "bf16_panel_linear")):  # a copy of W in 16-row panels (bf16_panels.py), every row count
+        for streams, nt in PANEL_VARIANTS if max_rows == 1 else ((1, False), (1, True)):
+            found[parts_name("native.panels", streams, nt)] = BF16_PANELS.linear(native, streams, nt)
     return found
 
 

@@ -68,6 +68,11 @@ class OnednnPacks:
     def holds(self, weight: torch.Tensor) -> bool:
         return id(weight) in self._packs
 
+    def rekey(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """`new` (a stand-in for `old` without its values: bf16_panels.without_values) takes over `old`'s copy."""
+        self._packs[id(new)] = self._packs.pop(id(old))
+        weakref.finalize(new, self._packs.pop, id(new), None)
+
     def drop(self, weight: torch.Tensor) -> None:
         self._packs.pop(id(weight), None)
 

@@ -1,0 +1,150 @@
+// Dense bf16 weights in 16-row panels (services/kernels/bf16_panels.py: a copy of the weight, made where the kernel
+// plan chose this kernel, and then its only copy where it chose it for every row count), times bf16 x on CPUs with
+// AVX512-BF16: y = x @ W^T (+ bias).
+//
+// Legend: M rows of x, K input features, K2 = ceil(K / 8) * 4 column pairs (K padded with zeros to a multiple of 8),
+// N output features, P = ceil(N / 16) panels (the last one's missing rows zero).
+//   x:      [M, K]          bfloat16
+//   panels: [P, K2, 16]     int32: lane r of entry (p, j) holds the pair (W[16p + r, 2j], W[16p + r, 2j + 1])
+//   bias:   [N]             optional, any float dtype (added in float32)
+//   y:      [M, N]          bfloat16, float32 sums rounded once
+//
+// Why the panels: a panel's 64-byte entry is 16 rows' pairs of one column pair, so each vdpbf16ps takes one
+// broadcast pair of x and the 16 rows' sums stay in the lanes (no reductions across lanes), and a panel is one
+// contiguous stream. oneDNN's packed copy beat the row layout's kernels from 2 rows on and the row layout was what one
+// row read fastest, so a bf16 weight was held twice; this layout is as fast as either at every row count (AMD EPYC
+// Zen 4, 2 threads, weights cycled from memory, 16384 x 2048: 1 row 1.00 against the best row kernel's 1.02, 4 rows
+// 2.31 against 2.50 ms, 32 rows 5.82 against oneDNN's 6.17, 1,024 rows 169 against 164; docs/kernels.md).
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "count_dispatch.h"
+#include "thread_chunks.h"
+#include "w4a8_panels.h"
+#include "x16_groups.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+namespace {
+
+constexpr int64_t kPanel = 16, kTile = 8;  // kTile: x rows per pass over a panel
+constexpr int64_t kAheadBytes = 1024;      // prefetch distance in all (each of S streams: 1 / S of it)
+
+// out[(s * MT + m) * 16 + r] = x row m . W row 16 (p + s * apart) + r, for S panels `apart` apart and MT rows of x
+// (x: bf16 pairs as int32 [MT, K2]). Each row's dots run as C chains (entry j feeds chain j % 4 % C): enough chains
+// in all to hide vdpbf16ps' latency, few enough registers (S MT C <= 16) to fit. C depends on MT alone, so an output
+// is the same sum in the same order whichever S (the streams of one row, a panel pair or a lone panel) computed it.
+template <int MT, int S, int Locality>
+void panel_dots(const int32_t* panels, int64_t p, int64_t apart, const int32_t* x, int64_t K2, float* out) {
+  constexpr int C = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+  static_assert(S * MT * C <= 16, "accumulators past the registers");
+  __m512 acc[S][MT][C];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < MT; ++m)
+      for (int c = 0; c < C; ++c) acc[s][m][c] = _mm512_setzero_ps();
+  const int32_t* panel[S];
+  for (int s = 0; s < S; ++s) panel[s] = panels + (p + s * apart) * K2 * kPanel;
+  for (int64_t j0 = 0; j0 < K2; j0 += 4)  // K2 is a multiple of 4
+    for (int u = 0; u < 4; ++u)
+      for (int s = 0; s < S; ++s) {
+        const int32_t* at = panel[s] + (j0 + u) * kPanel;
+        __builtin_prefetch(reinterpret_cast<const char*>(at) + kAheadBytes / S, 0, Locality);
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(at);
+        for (int m = 0; m < MT; ++m)
+          acc[s][m][u % C] = _mm512_dpbf16_ps(acc[s][m][u % C], w, (__m512bh)_mm512_set1_epi32(x[m * K2 + j0 + u]));
+      }
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < MT; ++m) {
+      __m512 sum = acc[s][m][0];  // C = 4: pairs first
+      if constexpr (C == 4)
+        sum = _mm512_add_ps(_mm512_add_ps(sum, acc[s][m][1]), _mm512_add_ps(acc[s][m][2], acc[s][m][3]));
+      if constexpr (C == 2) sum = _mm512_add_ps(sum, acc[s][m][1]);
+      _mm512_storeu_ps(out + (s * MT + m) * kPanel, sum);
+    }
+}
+
+struct Product {
+  const int32_t* panels;
+  const int32_t* x;   // [M, K2] bf16 pairs, zero past K
+  const float* bias;  // [N] or nullptr
+  int64_t M, N, K2;
+  at::BFloat16* y;    // [M, N]
+
+  template <int MT, int S, int Locality>
+  void panel(int64_t p, int64_t apart, int64_t m0) const {
+    alignas(64) float sums[S * MT * kPanel];
+    panel_dots<MT, S, Locality>(panels, p, apart, x + m0 * K2, K2, sums);
+    for (int s = 0; s < S; ++s) {
+      const int64_t n0 = (p + s * apart) * kPanel, live = std::min(kPanel, N - n0);
+      for (int m = 0; m < MT; ++m)
+        w4a8::store_row(sums + (s * MT + m) * kPanel, bias ? bias + n0 : nullptr, live, y + (m0 + m) * N + n0);
+    }
+  }
+
+  // One x row: each thread's panels read as `S` parts, a panel of each together.
+  template <int S, int Locality>
+  void one_row(int64_t p0, int64_t p1) const {
+    const int64_t per = (p1 - p0) / S;
+    for (int64_t p = p0; p < p0 + per; ++p) panel<1, S, Locality>(p, per, 0);
+    for (int64_t p = p0 + S * per; p < p1; ++p) panel<1, 1, Locality>(p, 0, 0);
+  }
+
+  // Several: two adjacent panels at a time (16 sums a vector load of x's 8 broadcasts), each pair once from memory,
+  // against kTile rows of x at a time (later tiles find it in L2). Two panels, not one: 1.02-1.08x faster at 4-128
+  // rows (AMD EPYC Zen 4, 2 threads).
+  template <int Locality>
+  void rows(int64_t p0, int64_t p1) const {
+    int64_t p = p0;
+    for (; p + 2 <= p1; p += 2)
+      for (int64_t m0 = 0; m0 < M; m0 += kTile)
+        with_count(std::min(kTile, M - m0), [&](auto rows) { panel<decltype(rows)::value, 2, Locality>(p, 1, m0); });
+    for (; p < p1; ++p)
+      for (int64_t m0 = 0; m0 < M; m0 += kTile)
+        with_count(std::min(kTile, M - m0), [&](auto rows) { panel<decltype(rows)::value, 1, Locality>(p, 0, m0); });
+  }
+};
+
+}  // namespace
+
+torch::Tensor bf16_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                                const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "x must be a CPU bfloat16 [M, K]");
+  TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "streams must be 1, 2 or 4, got ", streams);
+  const int64_t M = x.size(0), K = x.size(1), K2 = (K + 7) / 8 * 4, P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K > 0 && N > 0, "x must have columns and W rows");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous() && panels.device().is_cpu()
+              && panels.size(0) == P && panels.size(1) == K2 && panels.size(2) == kPanel,
+              "panels must be a contiguous CPU int32 [", P, ", ", K2, ", 16] for ", N, " x ", K, " W, got ",
+              panels.sizes());
+  torch::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have N elements");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  std::vector<at::BFloat16> xp(M * 2 * K2, at::BFloat16(0.f));  // x padded with zeros to 2 K2 columns
+  const torch::Tensor xc = x.contiguous();
+  const at::BFloat16* xv = xc.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) std::copy(xv + m * K, xv + (m + 1) * K, xp.begin() + m * 2 * K2);
+  const Product product{panels.data_ptr<int32_t>(), reinterpret_cast<const int32_t*>(xp.data()),
+                        bias.has_value() ? bias32.data_ptr<float>() : nullptr, M, N, K2, y.data_ptr<at::BFloat16>()};
+  with_prefetch_locality(non_temporal, [&](auto locality) {
+    constexpr int L = decltype(locality)::value;
+    parallel_chunks(P, [&](int64_t p0, int64_t p1) {
+      if (M > 1) product.rows<L>(p0, p1);
+      else if (streams == 4) product.one_row<4, L>(p0, p1);
+      else if (streams == 2) product.one_row<2, L>(p0, p1);
+      else product.one_row<1, L>(p0, p1);
+    });
+    return 0;
+  });
+  return y;
+}
+
+#endif  // AVX512-BF16

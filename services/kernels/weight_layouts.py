@@ -1,0 +1,77 @@
+"""Which layouts of a weight the kernel plan's choices read, and the copies in kernels' own layouts kept for them.
+
+A weight can be held in up to three layouts on a CPU: its own (the rows the model loaded), oneDNN's packed copy
+(onednn_packs.py) and a panel copy (int4_panels.py, bf16_panels.py). Each costs the weight's bytes again, so:
+- a panel copy is preferred within PREFER_MARGIN of the fastest candidate, since a weight whose every bucket reads
+  its panels frees its own layout (`LlamaModel._drop_unread_layouts`) and between candidates this close the timing's
+  noise, not the kernels, would decide its memory;
+- a dense weight never keeps all three: where its buckets chose its rows, oneDNN's copy and the panels, the panels'
+  buckets are chosen again without them (`reads_three_layouts`);
+- copies are made at the plan's end for the weights that read them and dropped for the others (`keep_chosen_copies`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from types import ModuleType
+
+import torch
+
+from services.int4_weight import Int4Weight
+from services.kernels.bf16_panels import BF16_PANELS
+from services.kernels.int4_panels import INT4_PANELS
+from services.kernels.onednn_packs import ONEDNN_PACKS
+
+PREFER_MARGIN = 1.03
+Names = tuple[str, ...]  # a candidate name per row bucket (kernel_plan.BUCKETS)
+
+
+def reads_panels(name: str) -> bool:
+    return name.startswith("native.panels") or name == "dequant.panels"
+
+
+def prefers_panels(key: tuple, rows: int) -> Callable[[str], bool] | None:
+    """The preference of a weight of `key` (kernel_plan.weight_key) timed at `rows`: int4's decode buckets (its prefill
+    reads the panels through `from_panels_alone`) and every bucket of a bf16 weight (the panel kernel serves all)."""
+    return reads_panels if (key[-1] == "int4" and rows <= 64) or key[-1] == "bfloat16" else None
+
+
+def reads_three_layouts(names: Names) -> bool:
+    """Whether a dense weight's choices read its rows, oneDNN's packed copy and its panels: three copies."""
+    panels = any(reads_panels(n) for n in names)
+    return panels and "onednn.packed" in names and not all(reads_panels(n) or n == "onednn.packed" for n in names)
+
+
+def from_panels_alone(key: tuple, names: Names, native: ModuleType | None) -> Names:
+    """An int4 weight whose decode buckets all read its panel copy takes its prefill's dense W from there too where
+    the row layout's was chosen: bit for bit the same W and product (int4_panels.py), and the row layout, read by
+    nothing else, can go (`KernelPlan.reads_rows`)."""
+    if (key[-1] == "int4" and names[-1] == "dequant.linear" and all(reads_panels(n) for n in names[:-1])
+            and hasattr(native, "int4_panel_dequantize")):
+        return (*names[:-1], "dequant.panels")
+    return names
+
+
+def keep_chosen_copies(dense: Iterable[torch.Tensor], int4: Iterable[Int4Weight],
+                       names_of: Callable[[torch.Tensor | Int4Weight], Names]) -> int:
+    """Make now (not in the first request) the copy of every weight whose plan chose a kernel reading its own copy
+    (oneDNN's packed dense weights, dense and int4 panels), drop the copies timing made of the others; returns the
+    bytes kept."""
+    kept, panels = 0, []
+    for weight in dense:
+        if "onednn.packed" in names_of(weight):
+            kept += ONEDNN_PACKS.packed(weight).numel() * weight.element_size()
+        else:
+            ONEDNN_PACKS.drop(weight)
+        if any(reads_panels(name) for name in names_of(weight)):
+            panels.append(weight)
+        else:
+            BF16_PANELS.drop(weight)
+    kept += BF16_PANELS.keep(panels)
+    panels = []
+    for weight in int4:
+        if any(reads_panels(name) for name in names_of(weight)):
+            panels.append(weight)
+        else:
+            INT4_PANELS.drop(weight)
+    return kept + INT4_PANELS.keep(panels)
