@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,7 +43,8 @@ class DecodeWorker(WorkerActor):
         # the requests it had here are aborted rather than left to run to max_tokens.
         self.channel_lease = 10.0
         # Test-only fault injection: "corrupt" (flip one bit) or "lose" (fail the fetch) the next
-        # KV fetched here (a KVPayload or a DeviceKV), so that tests drive the real prefill -> admit -> recompute path.
+        # KV fetched here (a KVPayload or a DeviceKV), so that tests drive the real prefill -> admit -> recompute path;
+        # "die": the process exits where it would fetch the next KV (a worker lost between admit and its read).
         self.kv_fault: str | None = None
         # Test-only: requests this worker reports waiting on top of its own (the routers' cost model
         # reads them through the real stats path).
@@ -107,6 +109,8 @@ class DecodeWorker(WorkerActor):
         try:
             start = time.perf_counter()
             fault, self.kv_fault = self.kv_fault, None
+            if fault == "die":
+                os._exit(1)
             kv = await self.transport.fetch(kv_handle)
             if fault == "lose":  # after the fetch, which ends the prefill worker's lease on it
                 raise LookupError("test fault: the KV object was lost")

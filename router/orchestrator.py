@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import ray
@@ -75,6 +75,12 @@ class Orchestrator:
         done = meta.finish_reason is not None or params.max_tokens == 1  # then no KV was exported
         kv, read = [], False  # a list, so that _decode can let go of the only reference to the KV
         lease = meta.kv_lease  # over RDT: `owner` holds the KV until a decode worker reads it, or this is released
+
+        def end_lease() -> None:  # once: a lease the decode worker's read ended already is ended again harmlessly
+            nonlocal lease
+            if lease is not None:
+                owner.release_kv.remote(lease)
+                lease = None
         try:
             yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
                              meta.finish_reason or ("length" if done else None), meta.num_cached_tokens,
@@ -92,11 +98,11 @@ class Orchestrator:
                 METRICS.kv_recomputes.inc()
                 lease, request = None, _resumed(request, [meta.first_token_id])
             del prefill
-            async for delta in self._decode_anywhere(request, kv or None):
+            async for delta in self._decode_anywhere(request, kv or None, kv_unread=end_lease):
                 yield delta
         finally:
-            if lease is not None and (kv or not read):  # never handed to a decode worker: the client
-                owner.release_kv.remote(lease)  # left, or none could take it (503)
+            if kv or not read:  # never handed to a decode worker: the client left, or none could take it (503)
+                end_lease()
             kv.clear()  # now, not when the frames an error's traceback holds are collected
 
     def _prefill_locally(self, prompt_tokens: int, keys: list) -> bool:
@@ -131,11 +137,12 @@ class Orchestrator:
                     METRICS.prefill_failovers.inc()
         return None
 
-    async def _decode_anywhere(self, request: DecodeRequest, kv: list | None, keys: list = ()
-                               ) -> AsyncIterator[TokenDelta]:
+    async def _decode_anywhere(self, request: DecodeRequest, kv: list | None, keys: list = (),
+                               kv_unread: Callable[[], None] | None = None) -> AsyncIterator[TokenDelta]:
         """Decode on the least loaded worker; if it dies, resume on another (up to max_failovers).
         If the KV cannot be used there (lost with its node, or corrupt), recompute the prompt. The
-        caller drops `kv` if no worker took it.
+        caller drops `kv` if no worker took it; `kv_unread` is called when the worker it was handed to
+        failed, perhaps before reading it (the KV's holder need not keep it any longer).
         `keys` (the prompt's prefix keys, when the decode worker prefills it): of equally loaded
         workers, the one that likely holds the prefix is chosen, and it is recorded as holding it."""
         delivered = [] if request.first_token_id is None else [request.first_token_id]
@@ -148,6 +155,8 @@ class Orchestrator:
                         yield delta
                     return
                 except (WorkerLost, KVLost) as error:
+                    if kv is not None and kv_unread is not None:
+                        kv_unread()
                     if isinstance(error, WorkerLost) and not isinstance(error, ChannelClosed):
                         worker.alive = False  # until a stats poll finds it answering again
                     if attempt == self.max_failovers:

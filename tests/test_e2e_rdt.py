@@ -12,7 +12,14 @@ import importlib.util
 import e2e_checks as checks
 import pytest
 import ray
-from cluster_harness import crash_and_restart, router_server, two_node_cluster, wait_for
+from cluster_harness import (
+    crash_and_restart,
+    process_id,
+    router_server,
+    two_node_cluster,
+    wait_for,
+    wait_restarted,
+)
 
 from router.errors import APIError
 from router.launcher import ClusterSpec
@@ -206,3 +213,25 @@ def test_kv_whose_prefill_worker_died_is_lost_not_hung(deployments):
     assert delta.error.startswith("KVTransferError: the KV could not be fetched: ")
     ray.cancel(channel)
     assert ray.get(decode.stats.remote()).kv_transfer_failures == failures + 1
+
+
+def test_a_decode_worker_lost_before_reading_the_kv_ends_its_lease(deployments):
+    """The decode worker dies where it would fetch the KV (test fault "die"): the router (a second one, in this
+    process, so no stats poll revives the worker meanwhile) has no decode worker left and answers 503, and it ends the
+    lease the dead worker never read, so the prefill worker lets the KV go at once, not when the lease runs out (120 s).
+    Last: the decode worker restarts (Ray's max_restarts)."""
+    (_, (prefill, decode)), _ = deployments
+    pool = WorkerPool("pd-rdt")
+    pool.discover({"prefill-0": prefill, "decode-0": decode})
+    router = Orchestrator(pool, "disaggregated")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, seed=1)
+    old_pid = process_id(decode)
+    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", "die")))
+
+    async def ask() -> list:
+        return [delta async for delta in router.generate("dies-unread", [1, 5, 6, 7, 12], params)]
+
+    with pytest.raises(APIError, match="no decode worker is alive"):
+        asyncio.run(ask())
+    wait_for(lambda: held_leases(prefill) == 0 and rdt_objects(prefill) == 0, "the KV waits for its lease", 30)
+    wait_restarted(decode, old_pid, 180)
