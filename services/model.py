@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
 from services.int4_weight import Int4Weight
-from services.kernels.bf16_panels import BF16_PANELS, without_values
+from services.kernels.bf16_panels import BF16_PANELS, ValuesDropped, without_values
 from services.kernels.decode_chain import DecodeChains
 from services.kernels.decoder_glue import DecoderGlue, rms_norm
 from services.kernels.int4_panels import INT4_PANELS
@@ -123,10 +123,11 @@ class LlamaModel:
     def _drop_unread_layouts(self) -> None:
         """Free the own layout of every weight whose chosen kernels all read its copies (kernel_plan.py: int4's panels;
         a dense weight's panels or oneDNN's packed copy): an int4 weight then takes 0.625 bytes a value, not twice that,
-        a bf16 one read only by the panel kernel 2 bytes, not 4. A tied output projection keeps its rows: they are the
-        embedding's lookup table."""
+        a bf16 one read only by the panel kernel 2 bytes, not 4. A tied output projection is also the embedding's
+        lookup table: it goes only where its copy is the panels, from which `_embed` gathers the rows."""
         owners = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
-        if self.lm_head is not self.embed:
+        tied = self.lm_head is self.embed
+        if not tied or BF16_PANELS.holds(self.lm_head):
             owners.append((self, "lm_head"))
         for owner, name in owners:
             weight = getattr(owner, name)
@@ -142,6 +143,8 @@ class LlamaModel:
             else:
                 continue
             setattr(owner, name, dropped)
+            if tied and owner is self:
+                self.embed = dropped
             if self._arena is not None:
                 self._arena.release(bytes_)  # its pages: the tensor's bytes live as long as the arena
 
@@ -190,11 +193,16 @@ class LlamaModel:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
-            return self.embed[input_ids]
+            return self._embedding_rows(input_ids)
         local = input_ids - self.shard.vocab_start  # rows of this rank's vocab slice; others are zero
         mine = (local >= 0) & (local < self.shard.vocab_size)
-        h = self.embed[local.clamp(0, self.shard.vocab_size - 1)] * mine[:, None].to(self.embed.dtype)
+        h = self._embedding_rows(local.clamp(0, self.shard.vocab_size - 1)) * mine[:, None].to(self.embed.dtype)
         return self.group.all_reduce(h)
+
+    def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the embedding table: from its panel copy where its values were dropped (tied to the output
+        projection, read only through the panels)."""
+        return BF16_PANELS.rows(self.embed, ids) if type(self.embed) is ValuesDropped else self.embed[ids]
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel product's partial sums, summed over the ranks (in place)."""

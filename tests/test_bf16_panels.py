@@ -157,3 +157,40 @@ def test_the_engine_holds_its_weights_as_panels_alone_and_answers_the_same(produ
     assert chains is not None  # decode steps ran the chain's bf16_panels kernel
     assert all(dropped) and not any(kept)  # tiny's output projection is its own (a tied one keeps its rows)
     assert answers == again and cost == cost_kept
+
+
+def test_a_tied_embedding_is_gathered_from_the_panels(product, tiny_path, tmp_path, monkeypatch):
+    """tiny with its output projection tied to the embedding (a copy of its folder): forced to the panels, the table's
+    rows go too and the embedding gathers them from the panel copy — the same answers as with the rows kept."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_path, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(tied / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+    w = weights["model.embed_tokens.weight"].bfloat16()
+    ids = torch.tensor([0, 17, 3, 511, 16, 17])
+    assert torch.equal(BF16_PANELS.rows(w, ids), w[ids])
+    BF16_PANELS.drop(w)
+
+    monkeypatch.setattr(kernel_plan, "cache_root", lambda: tmp_path / "choices")
+    monkeypatch.setattr(kernel_plan, "_fastest", lambda fns, *a, **k: next(
+        (n for n in (*PANEL_NAMES[:2], "native") if n in fns), next(iter(fns))))
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    prompts = [[1] + [5 + i % 200 for i in range(70)], [1, 7, 8, 9]]
+
+    def run() -> tuple[bool, list]:
+        model = (engine := Engine(model=str(tied), dtype="bfloat16", num_threads=1, kernels="auto")).runner.model
+        assert model.embed is model.lm_head
+        return type(model.embed) is ValuesDropped, [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
+
+    dropped, answers = run()
+    monkeypatch.setattr(LlamaModel, "_drop_unread_layouts", lambda self: None)
+    kept, again = run()
+    assert dropped and not kept and answers == again

@@ -76,4 +76,12 @@ class Bf16Panels(WeightCopies[Bf16PanelCopy]):
         return bf16_panels
 
 
+    def rows(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of `weight` [N, K], gathered from its panel copy: [T, K] bf16 (a tied embedding table whose
+        values were dropped, `LlamaModel._embedding_rows`)."""
+        panels = self.copy(weight).panels  # [P, K2, 16]
+        pairs = panels[ids // PANEL, :, ids % PANEL]  # [T, K2] int32: each the pair (W[n, 2j], W[n, 2j + 1])
+        return pairs.view(torch.bfloat16)[:, : weight.shape[1]]
+
+
 BF16_PANELS = Bf16Panels()
