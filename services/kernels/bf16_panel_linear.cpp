@@ -22,17 +22,14 @@
 #include <cstdint>
 #include <vector>
 
-#include "count_dispatch.h"
-#include "thread_chunks.h"
-#include "w4a8_panels.h"
-#include "x16_groups.h"
+#include "panel_rows.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {
 
-constexpr int64_t kPanel = 16, kTile = 8;  // kTile: x rows per pass over a panel
-constexpr int64_t kAheadBytes = 1024;      // prefetch distance in all (each of S streams: 1 / S of it)
+using panel_rows::kPanel;
+constexpr int64_t kAheadBytes = 1024;  // prefetch distance in all (each of S streams: 1 / S of it)
 
 // out[(s * MT + m) * 16 + r] = x row m . W row 16 (p + s * apart) + r, for S panels `apart` apart and MT rows of x
 // (x: bf16 pairs as int32 [MT, K2]). Each row's dots run as C chains (entry j feeds chain j % 4 % C): enough chains
@@ -67,44 +64,14 @@ void panel_dots(const int32_t* panels, int64_t p, int64_t apart, const int32_t* 
     }
 }
 
-struct Product {
+struct Dots {
   const int32_t* panels;
-  const int32_t* x;   // [M, K2] bf16 pairs, zero past K
-  const float* bias;  // [N] or nullptr
-  int64_t M, N, K2;
-  at::BFloat16* y;    // [M, N]
+  const int32_t* x;  // [M, K2] bf16 pairs, zero past K
+  int64_t K2;
 
   template <int MT, int S, int Locality>
-  void panel(int64_t p, int64_t apart, int64_t m0) const {
-    alignas(64) float sums[S * MT * kPanel];
+  void run(int64_t p, int64_t apart, int64_t m0, float* sums) const {
     panel_dots<MT, S, Locality>(panels, p, apart, x + m0 * K2, K2, sums);
-    for (int s = 0; s < S; ++s) {
-      const int64_t n0 = (p + s * apart) * kPanel, live = std::min(kPanel, N - n0);
-      for (int m = 0; m < MT; ++m)
-        w4a8::store_row(sums + (s * MT + m) * kPanel, bias ? bias + n0 : nullptr, live, y + (m0 + m) * N + n0);
-    }
-  }
-
-  // One x row: each thread's panels read as `S` parts, a panel of each together.
-  template <int S, int Locality>
-  void one_row(int64_t p0, int64_t p1) const {
-    const int64_t per = (p1 - p0) / S;
-    for (int64_t p = p0; p < p0 + per; ++p) panel<1, S, Locality>(p, per, 0);
-    for (int64_t p = p0 + S * per; p < p1; ++p) panel<1, 1, Locality>(p, 0, 0);
-  }
-
-  // Several: two adjacent panels at a time (16 sums a vector load of x's 8 broadcasts), each pair once from memory,
-  // against kTile rows of x at a time (later tiles find it in L2). Two panels, not one: 1.02-1.08x faster at 4-128
-  // rows (AMD EPYC Zen 4, 2 threads).
-  template <int Locality>
-  void rows(int64_t p0, int64_t p1) const {
-    int64_t p = p0;
-    for (; p + 2 <= p1; p += 2)
-      for (int64_t m0 = 0; m0 < M; m0 += kTile)
-        with_count(std::min(kTile, M - m0), [&](auto rows) { panel<decltype(rows)::value, 2, Locality>(p, 1, m0); });
-    for (; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += kTile)
-        with_count(std::min(kTile, M - m0), [&](auto rows) { panel<decltype(rows)::value, 1, Locality>(p, 0, m0); });
   }
 };
 
@@ -112,38 +79,24 @@ struct Product {
 
 torch::Tensor bf16_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                                 const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "x must be a CPU bfloat16 [M, K]");
-  TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "streams must be 1, 2 or 4, got ", streams);
+  panel_rows::check_call(x, streams);
   const int64_t M = x.size(0), K = x.size(1), K2 = (K + 7) / 8 * 4, P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(K > 0 && N > 0, "x must have columns and W rows");
+  TORCH_CHECK(N > 0, "W must have rows");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous() && panels.device().is_cpu()
               && panels.size(0) == P && panels.size(1) == K2 && panels.size(2) == kPanel,
               "panels must be a contiguous CPU int32 [", P, ", ", K2, ", 16] for ", N, " x ", K, " W, got ",
               panels.sizes());
-  torch::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have N elements");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const torch::Tensor bias32 = panel_rows::float_bias(bias, N);
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   std::vector<at::BFloat16> xp(M * 2 * K2, at::BFloat16(0.f));  // x padded with zeros to 2 K2 columns
   const torch::Tensor xc = x.contiguous();
   const at::BFloat16* xv = xc.data_ptr<at::BFloat16>();
   for (int64_t m = 0; m < M; ++m) std::copy(xv + m * K, xv + (m + 1) * K, xp.begin() + m * 2 * K2);
-  const Product product{panels.data_ptr<int32_t>(), reinterpret_cast<const int32_t*>(xp.data()),
-                        bias.has_value() ? bias32.data_ptr<float>() : nullptr, M, N, K2, y.data_ptr<at::BFloat16>()};
-  with_prefetch_locality(non_temporal, [&](auto locality) {
-    constexpr int L = decltype(locality)::value;
-    parallel_chunks(P, [&](int64_t p0, int64_t p1) {
-      if (M > 1) product.rows<L>(p0, p1);
-      else if (streams == 4) product.one_row<4, L>(p0, p1);
-      else if (streams == 2) product.one_row<2, L>(p0, p1);
-      else product.one_row<1, L>(p0, p1);
-    });
-    return 0;
-  });
+  // several rows: two adjacent panels a pass (16 sums a vector load of x's 8 broadcasts), 1.02-1.08x faster at
+  // 4-128 rows than one (AMD EPYC Zen 4, 2 threads)
+  panel_rows::run<2>(Dots{panels.data_ptr<int32_t>(), reinterpret_cast<const int32_t*>(xp.data()), K2},
+                     bias32, M, N, y.data_ptr<at::BFloat16>(), streams, non_temporal);
   return y;
 }
 

@@ -26,18 +26,16 @@
 #include <cstdint>
 #include <vector>
 
-#include "count_dispatch.h"
 #include "int4_panel_octets.h"
-#include "thread_chunks.h"
-#include "w4a8_panels.h"
-#include "x16_groups.h"
+#include "panel_rows.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {
 
-constexpr int64_t kPanel = 16, kGroup = 32, kTile = 8;  // kTile: x rows per pass over a panel
-constexpr int64_t kAheadBytes = 1024;                    // prefetch distance in all (each of S streams: 1 / S of it)
+using panel_rows::kPanel;
+constexpr int64_t kGroup = 32;
+constexpr int64_t kAheadBytes = 1024;  // prefetch distance in all (each of S streams: 1 / S of it)
 
 // out[(s * MT + m) * 16 + r] = x row m . W row 16 (p + s * apart) + r, for S panels `apart` apart (S > 1 only with
 // MT = 1) and MT rows of x. x: bf16 pairs as int32 [MT, Kp / 2]; xsum: [MT, Kp / G] float32, x's group sums.
@@ -86,40 +84,16 @@ void panel_dots(const uint8_t* packed, const at::Half* scale, const at::Half* lo
     for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (s * MT + m) * kPanel, acc[s][m]);
 }
 
-struct Product {
+struct Dots {
   const uint8_t* packed;
   const at::Half *scale, *low;
   const int32_t* x;   // [M, Kp / 2] bf16 pairs, zero past K
   const float* xsum;  // [M, Kp / G]
-  const float* bias;  // [N] or nullptr
-  int64_t M, N, Kp;
-  at::BFloat16* y;    // [M, N]
+  int64_t Kp;
 
   template <int MT, int S, int Locality>
-  void panels(int64_t p, int64_t apart, int64_t m0) const {
-    alignas(64) float sums[S * MT * kPanel];
+  void run(int64_t p, int64_t apart, int64_t m0, float* sums) const {
     panel_dots<MT, S, Locality>(packed, scale, low, p, apart, x + m0 * Kp / 2, xsum + m0 * Kp / kGroup, Kp, sums);
-    for (int s = 0; s < S; ++s) {
-      const int64_t n0 = (p + s * apart) * kPanel, live = std::min(kPanel, N - n0);
-      for (int m = 0; m < MT; ++m)
-        w4a8::store_row(sums + (s * MT + m) * kPanel, bias ? bias + n0 : nullptr, live, y + (m0 + m) * N + n0);
-    }
-  }
-
-  // One x row: each thread's panels read as `S` parts, a panel of each together.
-  template <int S, int Locality>
-  void one_row(int64_t p0, int64_t p1) const {
-    const int64_t per = (p1 - p0) / S;
-    for (int64_t p = p0; p < p0 + per; ++p) panels<1, S, Locality>(p, per, 0);
-    for (int64_t p = p0 + S * per; p < p1; ++p) panels<1, 1, Locality>(p, 0, 0);
-  }
-
-  // Several: each panel once from memory, against kTile rows of x at a time (later tiles find it in the caches).
-  template <int Locality>
-  void rows(int64_t p0, int64_t p1) const {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += kTile)
-        with_count(std::min(kTile, M - m0), [&](auto rows) { panels<decltype(rows)::value, 1, Locality>(p, 0, m0); });
   }
 };
 
@@ -128,17 +102,10 @@ struct Product {
 torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                                 const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias,
                                 int64_t streams, bool non_temporal) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "x must be a CPU bfloat16 [M, K]");
-  TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "streams must be 1, 2 or 4, got ", streams);
-  const int64_t M = x.size(0), K = x.size(1), Kp = (K + 63) / 64 * 64, P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(K > 0, "x must have columns");
+  panel_rows::check_call(x, streams);
+  const int64_t M = x.size(0), K = x.size(1), Kp = (K + 63) / 64 * 64;
   int4_panels::check_copy(packed, scale, low, N, Kp);
-  torch::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have N elements");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const torch::Tensor bias32 = panel_rows::float_bias(bias, N);
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   // x padded with zeros to Kp, and its group sums (of the bf16 values, in float32): 32 values widened and added at
@@ -157,19 +124,9 @@ torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& pac
       xsum[m * Kp / kGroup + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
   }
-  const Product product{packed.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), low.data_ptr<at::Half>(),
-                        reinterpret_cast<const int32_t*>(xp.data()), xsum.data(),
-                        bias.has_value() ? bias32.data_ptr<float>() : nullptr, M, N, Kp, y.data_ptr<at::BFloat16>()};
-  with_prefetch_locality(non_temporal, [&](auto locality) {
-    constexpr int L = decltype(locality)::value;
-    parallel_chunks(P, [&](int64_t p0, int64_t p1) {
-      if (M > 1) product.rows<L>(p0, p1);
-      else if (streams == 4) product.one_row<4, L>(p0, p1);
-      else if (streams == 2) product.one_row<2, L>(p0, p1);
-      else product.one_row<1, L>(p0, p1);
-    });
-    return 0;
-  });
+  panel_rows::run<1>(Dots{packed.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), low.data_ptr<at::Half>(),
+                          reinterpret_cast<const int32_t*>(xp.data()), xsum.data(), Kp},
+                     bias32, M, N, y.data_ptr<at::BFloat16>(), streams, non_temporal);
   return y;
 }
 
