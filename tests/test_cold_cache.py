@@ -12,6 +12,13 @@ from services.int4_weight import Int4Weight
 from services.kernels import cold_cache
 from services.kernels.cold_cache import ColdCache, last_level_cache_bytes, weight_tensors
 from services.kernels.kernel_plan import _fastest
+from services.kernels.weight_layouts import (
+    PREFER_MARGIN,
+    PREFILL_PREFER_MARGIN,
+    Preference,
+    prefers_panels,
+    reads_panels,
+)
 from services.quantized_weight import Int8Weight
 
 
@@ -76,11 +83,22 @@ def test_fastest_prefers_what_it_is_told_to_within_the_margin(monkeypatch):
         now[0] += cost[name]
 
     fns = {name: lambda name=name: run(name) for name in cost}
-    panels = lambda name: name == "panels"  # noqa: E731
+    panels = Preference(lambda name: name == "panels", PREFER_MARGIN)
     assert _fastest(fns, torch.device("cpu"), rows=1) == "row"
     assert _fastest(fns, torch.device("cpu"), rows=1, prefer=panels) == "panels"
     cost["panels"] = 104
     assert _fastest(fns, torch.device("cpu"), rows=1, prefer=panels) == "row"
+    assert _fastest(fns, torch.device("cpu"), rows=128, prefer=panels._replace(margin=PREFILL_PREFER_MARGIN)) == "panels"
+    cost["panels"] = 111
+    assert _fastest(fns, torch.device("cpu"), rows=128, prefer=panels._replace(margin=PREFILL_PREFER_MARGIN)) == "row"
+
+
+def test_bf16_weights_prefer_their_panels_in_every_bucket_and_prefill_by_more():
+    assert prefers_panels((16, 64, "bfloat16"), 1) == Preference(reads_panels, PREFER_MARGIN)
+    assert prefers_panels((16, 64, "bfloat16"), 128) == Preference(reads_panels, PREFILL_PREFER_MARGIN)
+    assert prefers_panels((16, 64, "int4"), 32) == Preference(reads_panels, PREFER_MARGIN)
+    assert prefers_panels((16, 64, "int4"), 128) is None  # its prefill reads them through from_panels_alone
+    assert prefers_panels((16, 64, "int8"), 1) is None and prefers_panels((16, 64, "float32"), 1) is None
 
 
 def test_the_hot_set_is_read_around_each_timed_call(monkeypatch):

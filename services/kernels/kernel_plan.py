@@ -33,7 +33,7 @@ from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.linear_candidates import LinearFn, candidates
 from services.kernels.onednn_packs import fits
 from services.kernels.weight_layouts import (
-    PREFER_MARGIN,
+    Preference,
     from_panels_alone,
     keep_chosen_copies,
     prefers_panels,
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 BUCKETS = ("1", "2-8", "9-64", "65+")
 PROBE_ROWS = (1, 4, 32, 128)  # the row count each bucket is timed at
 MAX_ROWS = (1, 8, 64, 1 << 62)
-TIMING = 4  # how candidates are timed (_fastest, cold_cache.py, the int4 panel copies' pages); a change re-times all
+TIMING = 5  # how candidates are timed (_fastest, its preferences, cold_cache.py, the panel copies' pages); a change re-times all
 
 
 def bucket_of(rows: int) -> int:
@@ -204,10 +204,10 @@ class KernelPlan:
 
 def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: int,
              before: Callable[[], object] | None = None, after: Callable[[], object] | None = None,
-             prefer: Callable[[str], bool] | None = None) -> str:
+             prefer: Preference | None = None) -> str:
     """The name of the fastest of `fns`, best of interleaved rounds; `before` runs, untimed, ahead of each call,
     `after` right after it, timed with it (cold_cache.py: what the call evicted, read again). The fastest of those
-    `prefer` names wins if it is within PREFER_MARGIN (weight_layouts.py) of the fastest of all."""
+    `prefer` names wins if it is within its margin of the fastest of all (weight_layouts.py)."""
     if len(fns) == 1:
         return next(iter(fns))
     best = dict.fromkeys(fns, float("inf"))
@@ -228,7 +228,7 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: i
             if round_ == 0:  # a candidate 3x slower than the best will not win: stop timing it
                 fns = {n: f for n, f in fns.items() if best[n] <= 3 * min(best.values())}
     fastest = min(best, key=best.get)
-    preferred = [n for n in best if prefer is not None and prefer(n) and best[n] <= PREFER_MARGIN * best[fastest]]
+    preferred = [n for n in best if prefer is not None and prefer.names(n) and best[n] <= prefer.margin * best[fastest]]
     return min(preferred, key=best.get) if preferred else fastest
 
 

@@ -2,7 +2,7 @@
 
 A weight can be held in up to three layouts on a CPU: its own (the rows the model loaded), oneDNN's packed copy
 (onednn_packs.py) and a panel copy (int4_panels.py, bf16_panels.py). Each costs the weight's bytes again, so:
-- a panel copy is preferred within PREFER_MARGIN of the fastest candidate, since a weight whose every bucket reads
+- a panel copy is preferred within PREFER_MARGIN of the fastest candidate (PREFILL_PREFER_MARGIN in prefill's bucket), since a weight whose every bucket reads
   its panels frees its own layout (`LlamaModel._drop_unread_layouts`) and between candidates this close the timing's
   noise, not the kernels, would decide its memory;
 - a dense weight never keeps all three: where its buckets chose its rows, oneDNN's copy and the panels, the panels'
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -23,17 +24,30 @@ from services.kernels.int4_panels import INT4_PANELS
 from services.kernels.onednn_packs import ONEDNN_PACKS
 
 PREFER_MARGIN = 1.03
+# prefill's bucket: a compute-bound product, where the panels ran 1.00-1.03x oneDNN's packed copy at 1,024 rows (Zen 4)
+# but a 3-round timing at 128 rows gave one `1b` shape (2048 x 8192) to oneDNN, whose copy then cost 512 MiB beside
+# the panels: the copy is kept only for a product more than 10% faster
+PREFILL_PREFER_MARGIN = 1.10
 Names = tuple[str, ...]  # a candidate name per row bucket (kernel_plan.BUCKETS)
+
+
+class Preference(NamedTuple):
+    """Candidates `names` picks win when within `margin` of the fastest (kernel_plan._fastest)."""
+
+    names: Callable[[str], bool]
+    margin: float
 
 
 def reads_panels(name: str) -> bool:
     return name.startswith("native.panels") or name == "dequant.panels"
 
 
-def prefers_panels(key: tuple, rows: int) -> Callable[[str], bool] | None:
+def prefers_panels(key: tuple, rows: int) -> Preference | None:
     """The preference of a weight of `key` (kernel_plan.weight_key) timed at `rows`: int4's decode buckets (its prefill
     reads the panels through `from_panels_alone`) and every bucket of a bf16 weight (the panel kernel serves all)."""
-    return reads_panels if (key[-1] == "int4" and rows <= 64) or key[-1] == "bfloat16" else None
+    if key[-1] == "bfloat16":
+        return Preference(reads_panels, PREFER_MARGIN if rows <= 64 else PREFILL_PREFER_MARGIN)
+    return Preference(reads_panels, PREFER_MARGIN) if key[-1] == "int4" and rows <= 64 else None
 
 
 def reads_three_layouts(names: Names) -> bool:
