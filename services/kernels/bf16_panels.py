@@ -5,7 +5,8 @@ Why: a bf16 weight used to be held twice on a CPU — the row layout, which the 
 at one row, and oneDNN's packed copy (onednn_packs.py), which won from a few rows to prefill's thousand. The panel
 kernel is as fast as either at every row count (AMD EPYC Zen 4, 2 threads: docs/kernels.md), so where the plan gives
 a weight to it in all four buckets the model frees the row layout (`LlamaModel._drop_unread_layouts`, the weight
-replaced by `without_values`): the `1b` preset's bf16 matrices take their 2.2 GB once, not 4.4. Offered, as oneDNN's
+replaced by `ValuesDropped`; a tied embedding table gathers its rows from the panels, `rows`): the `1b` preset's
+bf16 matrices take their 2.2 GB once, not 4.4. Offered, as oneDNN's
 packed copies are, only where every dense weight's copy fits beside it (`fits`), for bf16 x on AVX512-BF16 CPUs.
 
 Legend (bf16_panel_linear.cpp's): N rows, K columns, K2 = ceil(K / 8) * 4 column pairs, P = ceil(N / 16) panels.
@@ -74,7 +75,6 @@ class Bf16Panels(WeightCopies[Bf16PanelCopy]):
         def bf16_panels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             return native.bf16_panel_linear(x, self.copy(weight).panels, weight.shape[0], bias, streams, non_temporal)
         return bf16_panels
-
 
     def rows(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of `weight` [N, K], gathered from its panel copy: [T, K] bf16 (a tied embedding table whose
