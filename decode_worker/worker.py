@@ -44,7 +44,8 @@ class DecodeWorker(WorkerActor):
         self.channel_lease = 10.0
         # Test-only fault injection: "corrupt" (flip one bit) or "lose" (fail the fetch) the next
         # KV fetched here (a KVPayload or a DeviceKV), so that tests drive the real prefill -> admit -> recompute path;
-        # "die": the process exits where it would fetch the next KV (a worker lost between admit and its read).
+        # "die": the process exits where it would fetch the next KV (a worker lost between admit and its read);
+        # "fail": admit fails there with another error (the request fails, the KV unread).
         self.kv_fault: str | None = None
         # Test-only: requests this worker reports waiting on top of its own (the routers' cost model
         # reads them through the real stats path).
@@ -88,6 +89,9 @@ class DecodeWorker(WorkerActor):
                                                                 output_token_ids=request.output_token_ids),
                                    channel)
                 return
+            if self.kv_fault == "fail":
+                self.kv_fault = None
+                raise RuntimeError("test fault: admit failed before the fetch")
             held = [await self._fetch(rid, kv_handle)]
             if rid in self._aborted:
                 self._aborted.discard(rid)

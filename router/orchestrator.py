@@ -81,6 +81,7 @@ class Orchestrator:
             if lease is not None:
                 owner.release_kv.remote(lease)
                 lease = None
+        completed = False
         try:
             yield TokenDelta([meta.first_token_id], [meta.first_logprobs] if params.logprobs is not None else None,
                              meta.finish_reason or ("length" if done else None), meta.num_cached_tokens,
@@ -100,8 +101,11 @@ class Orchestrator:
             del prefill
             async for delta in self._decode_anywhere(request, kv or None, kv_unread=end_lease):
                 yield delta
+            completed = True
         finally:
-            if kv or not read:  # never handed to a decode worker: the client left, or none could take it (503)
+            # never handed to a decode worker (the client left, or none could take it: 503), or the decode failed or
+            # was left after admit, perhaps before the worker read the KV (a lease its read ended is ended again)
+            if kv or not read or not completed:
                 end_lease()
             kv.clear()  # now, not when the frames an error's traceback holds are collected
 

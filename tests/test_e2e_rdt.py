@@ -21,6 +21,7 @@ from cluster_harness import (
     wait_restarted,
 )
 
+from router.decode_channel import WorkerFailed
 from router.errors import APIError
 from router.launcher import ClusterSpec
 from router.orchestrator import Orchestrator
@@ -213,6 +214,24 @@ def test_kv_whose_prefill_worker_died_is_lost_not_hung(deployments):
     assert delta.error.startswith("KVTransferError: the KV could not be fetched: ")
     ray.cancel(channel)
     assert ray.get(decode.stats.remote()).kv_transfer_failures == failures + 1
+
+
+def test_a_decode_that_fails_before_reading_the_kv_ends_its_lease(deployments):
+    """The decode worker's admit fails before the fetch with an error that is neither a lost worker nor a lost KV (test
+    fault "fail"): the request fails, and the router ends the lease of the KV nobody read."""
+    (_, (prefill, decode)), _ = deployments
+    pool = WorkerPool("pd-rdt")
+    pool.discover({"prefill-0": prefill, "decode-0": decode})
+    router = Orchestrator(pool, "disaggregated")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, seed=1)
+    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", "fail")))
+
+    async def ask() -> list:
+        return [delta async for delta in router.generate("fails-unread", [1, 5, 6, 7, 13], params)]
+
+    with pytest.raises(WorkerFailed, match="RuntimeError: test fault: admit failed before the fetch"):
+        asyncio.run(ask())
+    wait_for(lambda: held_leases(prefill) == 0 and rdt_objects(prefill) == 0, "the KV waits for its lease", 30)
 
 
 def test_a_decode_worker_lost_before_reading_the_kv_ends_its_lease(deployments):
