@@ -140,6 +140,16 @@ def test_a_first_token_that_ends_the_request_exports_no_kv(deployments):
     wait_for(lambda: held_leases(prefill) == 0 and rdt_objects(prefill) == 0, "the KV was put", 30)
 
 
+FOUR_TOKENS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, seed=1)
+
+
+def second_router(workers: dict) -> Orchestrator:
+    """A router in this test process over the deployment's `workers` (no stats poll: a worker it marks dead stays so)."""
+    pool = WorkerPool("pd-rdt")
+    pool.discover(workers)
+    return Orchestrator(pool, "disaggregated")
+
+
 @pytest.mark.parametrize("leaves", ["after_the_first_token", "with_no_decode_worker"])
 def test_a_router_that_drops_the_kv_unread_ends_its_lease(deployments, leaves):
     """A router (a second one, in this process, over the same workers) whose client leaves right
@@ -147,13 +157,10 @@ def test_a_router_that_drops_the_kv_unread_ends_its_lease(deployments, leaves):
     itself, so the KV goes at once, not when the lease runs out (120 s)."""
     (_, (prefill, decode)), _ = deployments
     workers = {"prefill-0": prefill} if leaves == "with_no_decode_worker" else {"prefill-0": prefill, "decode-0": decode}
-    pool = WorkerPool("pd-rdt")
-    pool.discover(workers)
-    router = Orchestrator(pool, "disaggregated")
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, seed=1)
+    router = second_router(workers)
 
     async def ask() -> list:
-        stream, deltas = router.generate(f"dropped-{leaves}", [1, 5, 6, 7, 11], params), []
+        stream, deltas = router.generate(f"dropped-{leaves}", [1, 5, 6, 7, 11], FOUR_TOKENS), []
         try:
             deltas.append(await stream.__anext__())
             if leaves == "with_no_decode_worker":
@@ -216,41 +223,26 @@ def test_kv_whose_prefill_worker_died_is_lost_not_hung(deployments):
     assert ray.get(decode.stats.remote()).kv_transfer_failures == failures + 1
 
 
-def test_a_decode_that_fails_before_reading_the_kv_ends_its_lease(deployments):
+@pytest.mark.parametrize("fault,error,message", [
+    ("fail", WorkerFailed, "RuntimeError: test fault: admit failed before the fetch"),
+    ("die", APIError, "no decode worker is alive"),
+])
+def test_a_decode_that_fails_before_reading_the_kv_ends_its_lease(deployments, fault, error, message):
     """The decode worker's admit fails before the fetch with an error that is neither a lost worker nor a lost KV (test
-    fault "fail"): the request fails, and the router ends the lease of the KV nobody read."""
+    fault "fail": the request fails), or the worker dies where it would fetch ("die": the router, a second one in this
+    process, so no stats poll revives the worker meanwhile, has no decode worker left and answers 503). Either way the
+    router ends the lease of the KV nobody read, so the prefill worker lets it go at once, not when the lease runs out
+    (120 s). Last: the dead decode worker restarts (Ray's max_restarts)."""
     (_, (prefill, decode)), _ = deployments
-    pool = WorkerPool("pd-rdt")
-    pool.discover({"prefill-0": prefill, "decode-0": decode})
-    router = Orchestrator(pool, "disaggregated")
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, seed=1)
-    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", "fail")))
-
-    async def ask() -> list:
-        return [delta async for delta in router.generate("fails-unread", [1, 5, 6, 7, 13], params)]
-
-    with pytest.raises(WorkerFailed, match="RuntimeError: test fault: admit failed before the fetch"):
-        asyncio.run(ask())
-    wait_for(lambda: held_leases(prefill) == 0 and rdt_objects(prefill) == 0, "the KV waits for its lease", 30)
-
-
-def test_a_decode_worker_lost_before_reading_the_kv_ends_its_lease(deployments):
-    """The decode worker dies where it would fetch the KV (test fault "die"): the router (a second one, in this
-    process, so no stats poll revives the worker meanwhile) has no decode worker left and answers 503, and it ends the
-    lease the dead worker never read, so the prefill worker lets the KV go at once, not when the lease runs out (120 s).
-    Last: the decode worker restarts (Ray's max_restarts)."""
-    (_, (prefill, decode)), _ = deployments
-    pool = WorkerPool("pd-rdt")
-    pool.discover({"prefill-0": prefill, "decode-0": decode})
-    router = Orchestrator(pool, "disaggregated")
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, seed=1)
+    router = second_router({"prefill-0": prefill, "decode-0": decode})
     old_pid = process_id(decode)
-    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", "die")))
+    ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "kv_fault", fault)))
 
     async def ask() -> list:
-        return [delta async for delta in router.generate("dies-unread", [1, 5, 6, 7, 12], params)]
+        return [delta async for delta in router.generate(f"{fault}-unread", [1, 5, 6, 7, 13], FOUR_TOKENS)]
 
-    with pytest.raises(APIError, match="no decode worker is alive"):
+    with pytest.raises(error, match=message):
         asyncio.run(ask())
     wait_for(lambda: held_leases(prefill) == 0 and rdt_objects(prefill) == 0, "the KV waits for its lease", 30)
-    wait_restarted(decode, old_pid, 180)
+    if fault == "die":
+        wait_restarted(decode, old_pid, 180)
