@@ -63,6 +63,8 @@ def test_the_chain_has_the_loops_logits_bit_for_bit_with_every_kernel(native, ti
         native_kinds.add("w4a8")
     if quantization == "int4" and dtype == "bfloat16" and hasattr(native, "int4_panel_linear"):
         native_kinds.add("int4_panels")  # its panel copy (bf16 x only)
+    if quantization == "int8" and dtype == "bfloat16" and hasattr(native, "int8_panel_linear"):
+        native_kinds.add("int8_panels")  # a weight-only int8 weight's panel copy (bf16 x only)
     if quantization is None and dtype == "bfloat16" and hasattr(native, "bf16_panel_linear"):
         native_kinds.add("bf16_panels")  # a dense bf16 weight's panel copy
     if quantization == "w8a8":  # w8a8's tiles and rows (its panels take 9+ rows: never a chain's)

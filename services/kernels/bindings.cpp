@@ -19,6 +19,9 @@ torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& pac
                                 int64_t streams, bool non_temporal);
 torch::Tensor bf16_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                                 const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
+torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
+                                int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                                bool non_temporal);
 torch::Tensor int4_panel_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                                     int64_t N, torch::Tensor out);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -119,6 +122,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(packed, scale, low): W converted once a call into bf16 pair panels, vdpbf16ps register tiles "
         "(AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("packed"), py::arg("low"), py::arg("bias"));
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+  m.def("int8_panel_linear", &int8_panel_linear,
+        "y[M, N] = x[M, K] (bf16) @ (W * scale)^T (+ bias[N]), W per-channel int8 in 16-row panels (int8_panels.py's "
+        "copy of an Int8Weight), x in 21-bit fixed point as three int8 digit rows (int8_digits_linear's product bit "
+        "for bit); for one x row each thread reads its panels as `streams` (1, 2 or 4) parts, prefetched into the "
+        "caches or past them (non_temporal) (AVX512-VNNI CPUs)",
+        py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("out_features"), py::arg("bias"),
+        py::arg("streams") = 1, py::arg("non_temporal") = false);
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   m.def("amx_linear", &amx_linear,

@@ -32,6 +32,7 @@ import torch
 
 from services.kernels.bf16_panels import BF16_PANELS
 from services.kernels.int4_panels import INT4_PANELS
+from services.kernels.int8_panels import INT8_PANELS
 
 DEFAULT_LLC_BYTES = 32 << 20  # where sysfs does not say (not Linux)
 HOT_BYTES = 2 << 20  # what a decode step's other operators read between two products (see above)
@@ -93,7 +94,8 @@ class ColdCache:
                 if swept >= self.budget:
                     break
         if self.flush is not None:  # and a weight's panel copy: on a large adaptive L3 the sweep leaves some
-            for tensor in [*weight_tensors(weight), *INT4_PANELS.held(weight), *BF16_PANELS.held(weight)]:
+            for tensor in [*weight_tensors(weight), *INT4_PANELS.held(weight), *INT8_PANELS.held(weight),
+                           *BF16_PANELS.held(weight)]:
                 self.flush(tensor)
         self.hot.sum()
 

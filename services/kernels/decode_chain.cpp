@@ -57,6 +57,12 @@ torch::Tensor int4_panel_linear(const torch::Tensor& x, const torch::Tensor& pac
 torch::Tensor bf16_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                                 const c10::optional<torch::Tensor>& bias, int64_t streams, bool non_temporal);
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define PDSERVE_INT8_PANELS
+torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
+                                int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                                bool non_temporal);
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PDSERVE_W8A8_ROWS
 torch::Tensor w8a8_row_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
@@ -91,6 +97,9 @@ ChainProduct::ChainProduct(std::string name, std::vector<c10::optional<torch::Te
   else if (name == "int4_panels") kernel = Kernel::kInt4Panels, want_tensors = 3, want_options = 3;
   else if (name == "bf16_panels") kernel = Kernel::kBf16Panels, want_tensors = 1, want_options = 3;
 #endif
+#if defined(PDSERVE_INT8_PANELS)
+  else if (name == "int8_panels") kernel = Kernel::kInt8Panels, want_tensors = 2, want_options = 3;
+#endif
   else if (name == "call") kernel = Kernel::kCall, want_options = 0;
   else TORCH_CHECK(false, "no chain kernel named ", name, " in this build");
   TORCH_CHECK(tensors.size() == want_tensors && options.size() == want_options, name, " takes ", want_tensors,
@@ -121,6 +130,10 @@ torch::Tensor ChainProduct::operator()(const torch::Tensor& x) const {
       return int4_panel_linear(x, *tensors[0], *tensors[1], *tensors[2], options[0], bias, options[1], options[2]);
     case Kernel::kBf16Panels:
       return bf16_panel_linear(x, *tensors[0], options[0], bias, options[1], options[2]);
+#endif
+#if defined(PDSERVE_INT8_PANELS)
+    case Kernel::kInt8Panels:
+      return int8_panel_linear(x, *tensors[0], *tensors[1], options[0], bias, options[1], options[2]);
 #endif
     default: {
       py::gil_scoped_acquire python;  // run() let go of it

@@ -18,6 +18,8 @@
 //                      (out_features, streams, non_temporal)                                  (AVX512-BF16 builds)
 //          "bf16_panels": tensors (panels) of a dense bf16 weight's panel copy (bf16_panels.py), options as
 //                      int4_panels'                                                           (AVX512-BF16 builds)
+//          "int8_panels": tensors (panels, scale) of a weight-only Int8Weight's panel copy (int8_panels.py),
+//                      options as int4_panels'                                                (AVX512-VNNI builds)
 //          "call":     call(x) -> y, the weight and bias bound in (no tensors, no options)
 struct ChainProduct {
   ChainProduct(std::string kernel, std::vector<c10::optional<torch::Tensor>> tensors, c10::optional<torch::Tensor> bias,
@@ -25,7 +27,8 @@ struct ChainProduct {
   torch::Tensor operator()(const torch::Tensor& x) const;
 
   enum class Kernel {
-    kSkinny, kInt8X16, kInt4, kInt4X16, kInt8Digits, kW8a8, kW8a8Row, kW4a8, kInt4Panels, kBf16Panels, kCall
+    kSkinny, kInt8X16, kInt4, kInt4X16, kInt8Digits, kW8a8, kW8a8Row, kW4a8, kInt4Panels, kBf16Panels, kInt8Panels,
+    kCall
   } kernel;
   std::vector<c10::optional<torch::Tensor>> tensors;
   c10::optional<torch::Tensor> bias;

@@ -22,6 +22,7 @@ from services.attention import AttentionMetadata
 from services.int4_weight import Int4Weight
 from services.kernels.bf16_panels import BF16_PANELS
 from services.kernels.int4_panels import INT4_PANELS
+from services.kernels.int8_panels import INT8_PANELS
 from services.kernels.kernel_plan import bucket_of
 from services.kernels.stream_variants import PANEL_VARIANTS, SKINNY_VARIANTS, X16_VARIANTS, parts_name
 from services.quantized_weight import Int8Weight
@@ -57,8 +58,9 @@ def chain_product(name: str, weight: torch.Tensor | Int8Weight | Int4Weight) -> 
             return "w8a8_row", [weight.qweight, weight.scale], options
         return "call", [], []
     values, scale = (weight.qweight, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
-    if scale is None and (options := _parts_options(name, "native.panels", PANEL_VARIANTS)) is not None:
-        return "bf16_panels", list(BF16_PANELS.copy(weight)), [weight.shape[0], *options]
+    if (options := _parts_options(name, "native.panels", PANEL_VARIANTS)) is not None:
+        copies, kind = (BF16_PANELS, "bf16_panels") if scale is None else (INT8_PANELS, "int8_panels")
+        return kind, list(copies.copy(weight)), [weight.shape[0], *options]
     if name in SKINNY_VARIANTS:
         return "skinny", [values, scale], [int(v) for v in SKINNY_VARIANTS[name]]
     if scale is not None and (options := _parts_options(name, "native.x16")) is not None:

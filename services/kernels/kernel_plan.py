@@ -129,10 +129,12 @@ class KernelPlan:
         cache = ChoiceCache.open(native)
         started, cpu_started, measured = time.perf_counter(), time.process_time(), 0
         dense = {id(w): w for w in weights if isinstance(w, torch.Tensor)}
-        int4 = {id(w): w for w in weights if type(w) is Int4Weight}  # not W4A8Weight: its own kernel reads panels
-        # oneDNN's packed copies and int4's panels are a second copy of a weight: offered only where all would fit
+        # the weights a panel copy can serve: int4 (not W4A8Weight: its own kernel reads panels) and weight-only int8
+        quantized = {id(w): w for w in weights
+                     if type(w) is Int4Weight or (type(w) is Int8Weight and not w.dynamic_activations)}
+        # oneDNN's packed copies and the panels are a second copy of a weight: offered only where all would fit
         packed = (device.type == "cpu" and mode != "native"
-                  and fits(sum(w.nbytes for w in (*dense.values(), *int4.values()))))
+                  and fits(sum(w.nbytes for w in (*dense.values(), *quantized.values()))))
         choices: dict[tuple, tuple[str, ...]] = {}
         cold = ColdCache.for_weights(weights, device, getattr(native, "flush_cache_lines", None))
 
@@ -191,7 +193,7 @@ class KernelPlan:
         DEQUANT_BUFFER.release()  # timing's buffers (float32 candidates' among them): in use, each thread makes its own
         choices = {key: from_panels_alone(key, names, native) for key, names in choices.items()}
         plan = cls(choices, attention, native, device, prefill_choice=prefill,
-                   packed_bytes=keep_chosen_copies(dense.values(), int4.values(),
+                   packed_bytes=keep_chosen_copies(dense.values(), quantized.values(),
                                                    lambda w: choices[weight_key(w)]))
         where = (f"measured {measured} in {wall:.1f} s{', host busy: not cached' if busy else ''}" if measured
                  else "from the cache")

@@ -18,6 +18,7 @@ from services.kernels.batch_candidates import batch_candidates
 from services.kernels.bf16_panels import BF16_PANELS
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.int4_panels import INT4_PANELS
+from services.kernels.int8_panels import INT8_PANELS
 from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.kernels.stream_variants import PANEL_VARIANTS, SKINNY_VARIANTS, X16_VARIANTS, parts_name
 from services.kernels.w4a8_candidates import w4a8_candidates
@@ -146,8 +147,9 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
                packed: bool = False, compute: torch.dtype | None = None) -> dict[str, LinearFn]:
     """The kernels that can run a weight of `weight_format` ("int8", "w8a8", "int4", "w4a8", else a dense dtype) and
     `in_features` columns for batches of up to `max_rows` rows, on the CPU or not; `packed`: offer kernels that read
-    a copy of the weight in their own layout (oneDNN's packed dense weights, onednn_packs.py; int4's panels,
-    int4_panels.py: each costs the weight's memory again); `compute`: x's dtype (None: any, every kernel named)."""
+    a copy of the weight in their own layout (oneDNN's packed dense weights, onednn_packs.py; the panels of
+    int4_panels.py, int8_panels.py, bf16_panels.py: each costs the weight's memory again); `compute`: x's dtype (None:
+    any, every kernel named)."""
     if weight_format == "w4a8":  # x rounded to int8 per group, then int8 dot products (or the definition's torch ops)
         return w4a8_candidates(native, on_cpu)
     found = _format_candidates(weight_format, on_cpu, in_features, max_rows, native, packed)
@@ -160,6 +162,10 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if (weight_format == "int4" and on_cpu and packed and max_rows > 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int4_panel_dequantize")):  # prefill from the panel copy: no row layout needed
         found["dequant.panels"] = INT4_PANELS.dequant_linear(native)
+    if (weight_format == "int8" and on_cpu and packed and max_rows <= 64 and compute in (None, torch.bfloat16)
+            and hasattr(native, "int8_panel_linear")):  # a copy of W in 16-row panels (int8_panels.py), bf16 x
+        for streams, nt in PANEL_VARIANTS if max_rows == 1 else ((1, False), (1, True)):
+            found[parts_name("native.panels", streams, nt)] = INT8_PANELS.linear(native, streams, nt)
     if (weight_format == "bfloat16" and on_cpu and packed and compute in (None, torch.bfloat16)
             and hasattr(native, "bf16_panel_linear")):  # a copy of W in 16-row panels (bf16_panels.py), every row count
         for streams, nt in PANEL_VARIANTS if max_rows == 1 else ((1, False), (1, True)):

@@ -1,7 +1,8 @@
-// The loops shared by the 16-row panel products (int4_panel_linear.cpp, bf16_panel_linear.cpp): which panels and rows
+// The loops shared by the 16-row panel products (int4_, int8_ and bf16_panel_linear.cpp): which panels and rows
 // of x each call of a kernel's dots takes, the sums' rounding into y, and the dispatch over threads and prefetch hints.
 //
-// Legend: M rows of x, N output features, P = ceil(N / 16) panels, kTile = 8 x rows a pass over a panel.
+// Legend: M rows of x, N output features, P = ceil(N / 16) panels, Tile x rows a pass over a panel (kTile = 8 unless
+// a kernel's registers hold fewer).
 //   Dots:  a kernel's product of panels by rows of x: `dots.template run<MT, S, Locality>(p, apart, m0, sums)` writes
 //          sums[(s * MT + m) * 16 + r] = x row m0 + m . W row 16 (p + s * apart) + r, for S panels `apart` apart
 //   bias:  [N] float32 or nullptr;  y: [M, N] bf16, each sum (+ bias) rounded once (w4a8_panels.h's store_row)
@@ -24,7 +25,7 @@ namespace panel_rows {
 
 constexpr int64_t kPanel = 16, kTile = 8;
 
-template <typename Dots, int PairRows>
+template <typename Dots, int PairRows, int Tile>
 struct Rows {
   const Dots& dots;
   const float* bias;
@@ -51,8 +52,10 @@ struct Rows {
 
   template <int S, int Locality>
   void passes(int64_t p) const {
-    for (int64_t m0 = 0; m0 < M; m0 += kTile)
-      with_count(std::min(kTile, M - m0), [&](auto rows) { panel<decltype(rows)::value, S, Locality>(p, 1, m0); });
+    for (int64_t m0 = 0; m0 < M; m0 += Tile)
+      with_count(std::min<int64_t>(Tile, M - m0), [&](auto rows) {
+        if constexpr (decltype(rows)::value <= Tile) panel<decltype(rows)::value, S, Locality>(p, 1, m0);
+      });
   }
 
   template <int Locality>
@@ -79,10 +82,10 @@ inline torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_
 }
 
 // y = the product of `dots` for all M rows of x, its panels shared among the threads.
-template <int PairRows, typename Dots>
+template <int PairRows, int Tile = kTile, typename Dots>
 void run(const Dots& dots, const torch::Tensor& bias, int64_t M, int64_t N, at::BFloat16* y, int64_t streams,
          bool non_temporal) {
-  const Rows<Dots, PairRows> rows{dots, bias.defined() ? bias.data_ptr<float>() : nullptr, M, N, y};
+  const Rows<Dots, PairRows, Tile> rows{dots, bias.defined() ? bias.data_ptr<float>() : nullptr, M, N, y};
   with_prefetch_locality(non_temporal, [&](auto locality) {
     constexpr int L = decltype(locality)::value;
     parallel_chunks((N + kPanel - 1) / kPanel, [&](int64_t p0, int64_t p1) {

@@ -1,7 +1,8 @@
 """Which layouts of a weight the kernel plan's choices read, and the copies in kernels' own layouts kept for them.
 
 A weight can be held in up to three layouts on a CPU: its own (the rows the model loaded), oneDNN's packed copy
-(onednn_packs.py) and a panel copy (int4_panels.py, bf16_panels.py). Each costs the weight's bytes again, so:
+(onednn_packs.py) and a panel copy (int4_panels.py, int8_panels.py, bf16_panels.py). Each costs the weight's bytes
+again, so:
 - a panel copy is preferred within PREFER_MARGIN of the fastest candidate (PREFILL_PREFER_MARGIN in prefill's bucket), since a weight whose every bucket reads
   its panels frees its own layout (`LlamaModel._drop_unread_layouts`) and between candidates this close the timing's
   noise, not the kernels, would decide its memory;
@@ -21,7 +22,10 @@ import torch
 from services.int4_weight import Int4Weight
 from services.kernels.bf16_panels import BF16_PANELS
 from services.kernels.int4_panels import INT4_PANELS
+from services.kernels.int8_panels import INT8_PANELS
 from services.kernels.onednn_packs import ONEDNN_PACKS
+from services.kernels.weight_copies import WeightCopies
+from services.quantized_weight import Int8Weight
 
 PREFER_MARGIN = 1.03
 # prefill's bucket: a compute-bound product, where the panels ran 1.00-1.03x oneDNN's packed copy at 1,024 rows (Zen 4)
@@ -66,26 +70,27 @@ def from_panels_alone(key: tuple, names: Names, native: ModuleType | None) -> Na
     return names
 
 
-def keep_chosen_copies(dense: Iterable[torch.Tensor], int4: Iterable[Int4Weight],
-                       names_of: Callable[[torch.Tensor | Int4Weight], Names]) -> int:
+def _panel_copies(weight: torch.Tensor | Int4Weight | Int8Weight) -> WeightCopies:
+    if isinstance(weight, torch.Tensor):
+        return BF16_PANELS
+    return INT4_PANELS if isinstance(weight, Int4Weight) else INT8_PANELS
+
+
+def keep_chosen_copies(dense: Iterable[torch.Tensor], quantized: Iterable[Int4Weight | Int8Weight],
+                       names_of: Callable[[torch.Tensor | Int4Weight | Int8Weight], Names]) -> int:
     """Make now (not in the first request) the copy of every weight whose plan chose a kernel reading its own copy
-    (oneDNN's packed dense weights, dense and int4 panels), drop the copies timing made of the others; returns the
-    bytes kept."""
-    kept, panels = 0, []
+    (oneDNN's packed dense weights; dense, int4 and weight-only int8 panels), drop the copies timing made of the
+    others; returns the bytes kept."""
+    dense, kept = list(dense), 0
     for weight in dense:
         if "onednn.packed" in names_of(weight):
             kept += ONEDNN_PACKS.packed(weight).numel() * weight.element_size()
         else:
             ONEDNN_PACKS.drop(weight)
+    chosen: dict[WeightCopies, list] = {BF16_PANELS: [], INT4_PANELS: [], INT8_PANELS: []}
+    for weight in (*dense, *quantized):
         if any(reads_panels(name) for name in names_of(weight)):
-            panels.append(weight)
+            chosen[_panel_copies(weight)].append(weight)
         else:
-            BF16_PANELS.drop(weight)
-    kept += BF16_PANELS.keep(panels)
-    panels = []
-    for weight in int4:
-        if any(reads_panels(name) for name in names_of(weight)):
-            panels.append(weight)
-        else:
-            INT4_PANELS.drop(weight)
-    return kept + INT4_PANELS.keep(panels)
+            _panel_copies(weight).drop(weight)
+    return kept + sum(copies.keep(weights) for copies, weights in chosen.items())

@@ -1,0 +1,144 @@
+// Per-channel int8 weights (weight-only int8) in 16-row panels (services/kernels/int8_panels.py: a copy of the
+// weight, made where the kernel plan chose this kernel, and then its only copy where it chose it for every row count),
+// times bf16 x in 21-bit fixed point on CPUs with AVX512-VNNI: x's rows as three int8 digit rows each (x_digits.h),
+// multiplied by the panels' bytes exactly in int32, the three dots joined exactly in int64, then one float
+// conversion, x's unit and W's scale — int8_digits_linear.cpp's product bit for bit, from another layout.
+//
+// Legend: M rows of x, K input features (<= 65,536: the dots stay in int32), Kp = K rounded up to 64, K4 = Kp / 4
+// column quads, N output features, P = ceil(N / 16) panels (the last one's missing rows zero), R = 3M digit rows.
+//   x:      [M, K]       bfloat16 -> digits q [R, Kp] int8, units u [M], digit sums [R] (x_digits.h)
+//   panels: [P, K4, 16]  int32: lane r of entry (p, j) holds W[16p + r, 4j .. 4j + 3] + 128 as four unsigned bytes
+//   scale:  [P * 16]     float32: w[n, k] ~= W[n, k] * scale[n] (past N: unused);  bias [N] or none
+//   y:      [M, N]       bfloat16: D = sum_k X[m, k] W[n, k] (int64, exact), y = float(D) * u[m] * scale[n] (+ bias),
+//                        rounded once
+//
+// Why the panels: the row layout's kernels read a weight as 4 or more row streams at once and sum each row's dots
+// across a vector's lanes; here a 64-byte entry is 16 rows' quads of one column quad, so each vpdpbusd takes one
+// broadcast quad of a digit row, the 16 rows' dots stay in the lanes, and a panel is one contiguous stream, as
+// bf16_panel_linear.cpp's are; one W load serves the three digit rows. One x row, AMD EPYC Zen 4, 2 threads, weights
+// cycled from memory: 1.16-1.25x faster than the row layout's best kernel on the `1b` shapes; from 4 rows those win
+// (docs/kernels.md), so the copy is kept beside the rows (int8_panels.py).
+#pragma GCC optimize("fp-contract=off")  // float(D) * u * scale, then + bias: each rounded as written
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "panel_rows.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+
+#include "x_digits.h"  // XDigits, digit_rows
+
+namespace {
+
+using panel_rows::kPanel;
+constexpr int64_t kStep = 64, kOffset = 128;
+constexpr int64_t kAheadBytes = 1024;  // prefetch distance in all (each of S streams: 1 / S of it)
+
+// acc += u (unsigned bytes) . the broadcast quad at `quad` (signed). The intrinsic, not int8_dot_tiles.h's asm: here
+// GCC 12 kept the asm's accumulators in memory in the one-row loops (2.2x slower from L3), and the intrinsic's copies
+// cost little with at most 12 accumulators (Tile 4)
+inline void dpbusd(__m512i& acc, __m512i u, const int32_t* quad) {
+  acc = _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(*quad));
+}
+
+// 16 exact int64 joins D = (e0 * 128 + e1) * 128 + e2 of one x row's three digit dots (each e less the offset's
+// share, kOffset * the digit row's sum), as float32 times u and scale: out[0 .. 16)
+inline void join(const __m512i acc[3], const int32_t* sums, float u, const float* scale, float* out) {
+  __m512i half[2][3];
+  for (int i = 0; i < 3; ++i) {
+    const __m512i e = _mm512_sub_epi32(acc[i], _mm512_set1_epi32(static_cast<int32_t>(kOffset * sums[i])));
+    half[0][i] = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(e));
+    half[1][i] = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(e, 1));
+  }
+  __m256 f[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i D = _mm512_add_epi64(
+        _mm512_slli_epi64(_mm512_add_epi64(_mm512_slli_epi64(half[h][0], 7), half[h][1]), 7), half[h][2]);
+    f[h] = _mm512_cvtepi64_ps(D);  // rounded to nearest, as static_cast<float>(int64)
+  }
+  const __m512 v = _mm512_insertf32x8(_mm512_castps256_ps512(f[0]), f[1], 1);
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(u)), _mm512_loadu_ps(scale)));
+}
+
+struct Dots {
+  const int32_t* panels;
+  const XDigits& d;
+  const float* scale;
+  int64_t K4;
+
+  // sums[(s * MT + m) * 16 + r] = x row m0 + m . W row 16 (p + s * apart) + r, scaled, for S panels `apart` apart.
+  // Each digit row's dots run as C chains (quad j feeds chain j % C): enough in all to hide vpdpbusd's latency.
+  // Integer sums: any chains give the same bits. Every loop over the accumulators is unrolled by pragma.
+  template <int MT, int S, int Locality>
+  void run(int64_t p, int64_t apart, int64_t m0, float* sums) const {
+    constexpr int DR = 3 * MT, C = S * DR >= 6 ? 1 : 2;
+    static_assert(S * DR * C <= 12, "accumulators past the registers");
+    __m512i acc[S * DR * C];
+#pragma GCC unroll 32
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 32
+      for (int r = 0; r < DR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) acc[(s * DR + r) * C + c] = _mm512_setzero_si512();
+    const int32_t* panel[S];
+    for (int s = 0; s < S; ++s) panel[s] = panels + (p + s * apart) * K4 * kPanel;
+    const int32_t* q = reinterpret_cast<const int32_t*>(d.q.data() + 3 * m0 * d.Kp);  // digit row r: q + r * K4
+    for (int64_t j0 = 0; j0 < K4; j0 += C)  // K4 is a multiple of 16
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+        for (int s = 0; s < S; ++s) {
+          const int32_t* at = panel[s] + (j0 + c) * kPanel;
+          __builtin_prefetch(reinterpret_cast<const char*>(at) + kAheadBytes / S, 0, Locality);
+          const __m512i w = _mm512_loadu_si512(at);
+#pragma GCC unroll 32
+          for (int r = 0; r < DR; ++r) dpbusd(acc[(s * DR + r) * C + c], w, q + r * K4 + j0 + c);
+        }
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        __m512i joined[3];
+#pragma GCC unroll 3
+        for (int i = 0; i < 3; ++i) {
+          joined[i] = acc[(s * DR + 3 * m + i) * C];
+          if constexpr (C == 2) joined[i] = _mm512_add_epi32(joined[i], acc[(s * DR + 3 * m + i) * C + 1]);
+        }
+        const int64_t n0 = (p + s * apart) * kPanel;
+        join(joined, d.sum.data() + 3 * (m0 + m), d.u[m0 + m], scale + n0, sums + (s * MT + m) * kPanel);
+      }
+  }
+};
+
+}  // namespace
+
+torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
+                                int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                                bool non_temporal) {
+  panel_rows::check_call(x, streams);
+  const int64_t M = x.size(0), K = x.size(1), K4 = (K + kStep - 1) / kStep * kStep / 4;
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(N > 0, "W must have rows");
+  TORCH_CHECK(K <= 65536, "K must be at most 65,536 (int32 dots), got ", K);
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous() && panels.device().is_cpu()
+              && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == kPanel,
+              "panels must be a contiguous CPU int32 [", P, ", ", K4, ", 16] for ", N, " x ", K, " W, got ",
+              panels.sizes());
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.device().is_cpu()
+              && scale.size(0) == P * kPanel, "scale must be a contiguous CPU float32 [", P * kPanel, "]");
+  const torch::Tensor bias32 = panel_rows::float_bias(bias, N);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const torch::Tensor xc = x.contiguous();
+  const XDigits d = digit_rows(xc.data_ptr<at::BFloat16>(), M, K, kStep);
+  // several rows: a panel a pass against 4 x rows (12 digit rows; 8 rows' 24 spilled: 2x slower at 8 rows)
+  panel_rows::run<1, 4>(Dots{panels.data_ptr<int32_t>(), d, scale.data_ptr<float>(), K4}, bias32, M, N,
+                     y.data_ptr<at::BFloat16>(), streams, non_temporal);
+  return y;
+}
+
+#endif  // AVX512-VNNI
