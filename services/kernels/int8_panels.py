@@ -1,11 +1,11 @@
 """Weight-only int8 weights copied into 16-row panels for int8_panel_linear.cpp, made where the kernel plan chose that
 kernel and kept beside the weight's rows.
 
-Why a copy: at one row of bf16 x the panel kernel streams an int8 weight faster than its row layout's kernels (AMD
-EPYC Zen 4, 2 threads, 8 distinct 16384 x 2048 weights cycled from memory: 46.1 GB/s against 38.4 for the best row
-kernel, docs/kernels.md), and gives int8_digits_linear's product bit for bit; from 4 rows the row layout's kernels
-are 1.1-1.2x faster, so the rows stay. As with int4's panels, the copy (the weight's bytes again) is offered only
-where every weight's copy fits (`onednn_packs.fits`) and kept only for the weights whose plan chose it.
+Why a copy: at one row of bf16 x the panel kernel streams an int8 weight 1.16-1.25x faster than its row layout's
+kernels (AMD EPYC Zen 4, 2 threads, distinct `1b` weights cycled from memory, docs/kernels.md), and gives
+int8_digits_linear's product bit for bit; from 4 rows the row layout's kernels are 1.06-1.7x faster, so the rows stay.
+The copy (the weight's bytes again) is offered only where every weight's copy fits (`onednn_packs.fits`), chosen only
+where it is more than `weight_layouts.COPY_MARGIN` faster, and kept only for the weights whose plan chose it.
 
 Legend (int8_panel_linear.cpp's): N rows, K columns, Kp = K rounded up to 64, K4 = Kp / 4, P = ceil(N / 16) panels.
 """

@@ -36,7 +36,7 @@ from services.kernels.weight_layouts import (
     Preference,
     from_panels_alone,
     keep_chosen_copies,
-    prefers_panels,
+    preference,
     reads_panels,
     reads_three_layouts,
 )
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 BUCKETS = ("1", "2-8", "9-64", "65+")
 PROBE_ROWS = (1, 4, 32, 128)  # the row count each bucket is timed at
 MAX_ROWS = (1, 8, 64, 1 << 62)
-TIMING = 5  # how candidates are timed (_fastest, its preferences, cold_cache.py, the panel copies' pages); a change re-times all
+TIMING = 6  # how candidates are timed (_fastest, its preferences, cold_cache.py, the panel copies' pages); a change re-times all
 
 
 def bucket_of(rows: int) -> int:
@@ -159,7 +159,7 @@ class KernelPlan:
                 timed_cold = cold is not None and rows <= 64
                 name = _fastest({n: partial(f, x, weight, None) for n, f in found.items()}, device, rows,
                                 partial(cold.evict, weight) if timed_cold else None,
-                                cold.reread if timed_cold else None, prefer=prefers_panels(key, rows))
+                                cold.reread if timed_cold else None, prefer=preference(key, rows))
                 measured += len(found) > 1 and cache.put(entry, name)
             return name
 
