@@ -7,6 +7,8 @@
 // Legend: M rows of x, K input features (<= 65,536: the dots stay in int32), Kp = K rounded up to 64, K4 = Kp / 4
 // column quads, N output features, P = ceil(N / 16) panels (the last one's missing rows zero), R = 3M digit rows.
 //   x:      [M, K]       bfloat16 -> digits q [R, Kp] int8, units u [M], digit sums [R] (x_digits.h)
+//   quads:  [tiles, K4, 3T] int32: q's quads, a tile of T = min(M, kTile) x rows' 3T digit rows interleaved quad by
+//                        quad (a short last tile padded with zeros)
 //   panels: [P, K4, 16]  int32: lane r of entry (p, j) holds W[16p + r, 4j .. 4j + 3] + 128 as four unsigned bytes
 //   scale:  [P * 16]     float32: w[n, k] ~= W[n, k] * scale[n] (past N: unused);  bias [N] or none
 //   y:      [M, N]       bfloat16: D = sum_k X[m, k] W[n, k] (int64, exact), y = float(D) * u[m] * scale[n] (+ bias),
@@ -15,7 +17,7 @@
 // Why the panels: the row layout's kernels read a weight as 4 or more row streams at once and sum each row's dots
 // across a vector's lanes; here a 64-byte entry is 16 rows' quads of one column quad, so each vpdpbusd takes one
 // broadcast quad of a digit row, the 16 rows' dots stay in the lanes, and a panel is one contiguous stream, as
-// bf16_panel_linear.cpp's are; one W load serves the three digit rows. One x row, AMD EPYC Zen 4, 2 threads, weights
+// bf16_panel_linear.cpp's are; one W load serves the pass's digit rows. One x row, AMD EPYC Zen 4, 2 threads, weights
 // cycled from memory: 1.16-1.25x faster than the row layout's best kernel on the `1b` shapes; from 4 rows those win
 // (docs/kernels.md), so the copy is kept beside the rows (int8_panels.py).
 #pragma GCC optimize("fp-contract=off")  // float(D) * u * scale, then + bias: each rounded as written
@@ -36,6 +38,7 @@ namespace {
 
 using panel_rows::kPanel;
 constexpr int64_t kStep = 64, kOffset = 128;
+constexpr int64_t kTile = 4;  // x rows a pass over a panel: 12 digit rows' accumulators (8 rows' 24 spilled: 2x slower)
 constexpr int64_t kAheadBytes = 1024;  // prefetch distance in all (each of S streams: 1 / S of it)
 
 // acc += u (unsigned bytes) . the broadcast quad at `quad` (signed). The intrinsic, not int8_dot_tiles.h's asm: here
@@ -66,6 +69,8 @@ inline void join(const __m512i acc[3], const int32_t* sums, float u, const float
 
 struct Dots {
   const int32_t* panels;
+  const int32_t* quads;  // the legend's; a tile's digit rows `stride` apart
+  int64_t stride;
   const XDigits& d;
   const float* scale;
   int64_t K4;
@@ -86,7 +91,7 @@ struct Dots {
         for (int c = 0; c < C; ++c) acc[(s * DR + r) * C + c] = _mm512_setzero_si512();
     const int32_t* panel[S];
     for (int s = 0; s < S; ++s) panel[s] = panels + (p + s * apart) * K4 * kPanel;
-    const int32_t* q = reinterpret_cast<const int32_t*>(d.q.data() + 3 * m0 * d.Kp);  // digit row r: q + r * K4
+    const int32_t* q = quads + m0 / kTile * K4 * stride;  // digit row r's quad j: q[j * stride + r]
     for (int64_t j0 = 0; j0 < K4; j0 += C)  // K4 is a multiple of 16
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
@@ -96,7 +101,7 @@ struct Dots {
           __builtin_prefetch(reinterpret_cast<const char*>(at) + kAheadBytes / S, 0, Locality);
           const __m512i w = _mm512_loadu_si512(at);
 #pragma GCC unroll 32
-          for (int r = 0; r < DR; ++r) dpbusd(acc[(s * DR + r) * C + c], w, q + r * K4 + j0 + c);
+          for (int r = 0; r < DR; ++r) dpbusd(acc[(s * DR + r) * C + c], w, q + (j0 + c) * stride + r);
         }
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s)
@@ -124,8 +129,8 @@ torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& pan
   const int64_t P = (N + kPanel - 1) / kPanel;
   TORCH_CHECK(N > 0, "W must have rows");
   TORCH_CHECK(K <= 65536, "K must be at most 65,536 (int32 dots), got ", K);
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous() && panels.device().is_cpu()
-              && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == kPanel,
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous()
+              && panels.device().is_cpu() && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == kPanel,
               "panels must be a contiguous CPU int32 [", P, ", ", K4, ", 16] for ", N, " x ", K, " W, got ",
               panels.sizes());
   TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.device().is_cpu()
@@ -135,9 +140,16 @@ torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& pan
   if (M == 0) return y;
   const torch::Tensor xc = x.contiguous();
   const XDigits d = digit_rows(xc.data_ptr<at::BFloat16>(), M, K, kStep);
-  // several rows: a panel a pass against 4 x rows (12 digit rows; 8 rows' 24 spilled: 2x slower at 8 rows)
-  panel_rows::run<1, 4>(Dots{panels.data_ptr<int32_t>(), d, scale.data_ptr<float>(), K4}, bias32, M, N,
-                     y.data_ptr<at::BFloat16>(), streams, non_temporal);
+  // a pass's digit rows interleaved: one stream of x's quads, not 3T (AMD EPYC Zen 4, 2 threads, weights from memory:
+  // 2048 x 8192 at 4 / 32 rows 1.000 -> 0.749 / 5.95 -> 3.95 ms, 16384 x 2048 1.67 -> 1.55 / 8.32 -> 7.78)
+  const int64_t T = std::min(M, kTile), stride = 3 * T, tiles = (M + T - 1) / T;
+  std::vector<int32_t> quads(tiles * K4 * stride, 0);
+  const int32_t* rows = reinterpret_cast<const int32_t*>(d.q.data());  // [R, K4]
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t r = 0; r < std::min(stride, 3 * M - t * stride); ++r)
+      for (int64_t j = 0; j < K4; ++j) quads[(t * K4 + j) * stride + r] = rows[(t * stride + r) * K4 + j];
+  panel_rows::run<1, kTile>(Dots{panels.data_ptr<int32_t>(), quads.data(), stride, d, scale.data_ptr<float>(), K4},
+                            bias32, M, N, y.data_ptr<at::BFloat16>(), streams, non_temporal);
   return y;
 }
 
