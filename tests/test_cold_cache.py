@@ -13,12 +13,10 @@ from services.kernels import cold_cache
 from services.kernels.cold_cache import ColdCache, last_level_cache_bytes, weight_tensors
 from services.kernels.kernel_plan import _fastest
 from services.kernels.weight_layouts import (
-    COPY_MARGIN,
     PREFER_MARGIN,
     PREFILL_PREFER_MARGIN,
     Preference,
     preference,
-    reads_own_layout,
     reads_panels,
 )
 from services.quantized_weight import Int8Weight
@@ -100,21 +98,9 @@ def test_bf16_weights_prefer_their_panels_in_every_bucket_and_prefill_by_more():
     assert preference((16, 64, "bfloat16"), 128) == Preference(reads_panels, PREFILL_PREFER_MARGIN)
     assert preference((16, 64, "int4"), 32) == Preference(reads_panels, PREFER_MARGIN)
     assert preference((16, 64, "int4"), 128) is None  # its prefill reads them through from_panels_alone
-    assert preference((16, 64, "int8"), 8) == Preference(reads_own_layout, COPY_MARGIN)  # its rows stay: a copy
-    assert preference((16, 64, "int8"), 128) is None and preference((16, 64, "w8a8"), 1) is None
+    assert preference((16, 64, "int8"), 1) == Preference(reads_panels, PREFER_MARGIN)  # one row only: its rows stay
+    assert preference((16, 64, "int8"), 8) is None and preference((16, 64, "w8a8"), 1) is None
     assert preference((16, 64, "float32"), 1) is None
-
-
-def test_an_int8_panel_copy_is_made_only_for_a_kernel_more_than_5_percent_faster(monkeypatch):
-    # weight-only int8 keeps its rows whatever its choices: its panel copy is the weight's bytes again (fake clock)
-    cost, now = {"native.x16": 100, "native.panels.4streams": 96}, [0]
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    fns = {name: lambda name=name: now.__setitem__(0, now[0] + cost[name]) for name in cost}
-    prefer = preference((16, 64, "int8"), 1)
-    assert _fastest(fns, torch.device("cpu"), rows=1) == "native.panels.4streams"
-    assert _fastest(fns, torch.device("cpu"), rows=1, prefer=prefer) == "native.x16"
-    cost["native.panels.4streams"] = 95
-    assert _fastest(fns, torch.device("cpu"), rows=1, prefer=prefer) == "native.panels.4streams"
 
 
 def test_the_hot_set_is_read_around_each_timed_call(monkeypatch):

@@ -4,8 +4,8 @@ kernel and kept beside the weight's rows.
 Why a copy: at one row of bf16 x the panel kernel streams an int8 weight 1.16-1.25x faster than its row layout's
 kernels (AMD EPYC Zen 4, 2 threads, distinct `1b` weights cycled from memory, docs/kernels.md), and gives
 int8_digits_linear's product bit for bit; at 4-32 rows it runs 0.9-1.2x the row layout's best, so the rows stay.
-The copy (the weight's bytes again) is offered only where every weight's copy fits (`onednn_packs.fits`), chosen only
-where it is more than `weight_layouts.COPY_MARGIN` faster, and kept only for the weights whose plan chose it.
+The copy (the weight's bytes again) is offered only where every weight's copy fits (`onednn_packs.fits`), preferred at
+one row (`weight_layouts.preference`), and kept only for the weights whose plan chose it.
 
 Legend (int8_panel_linear.cpp's): N rows, K columns, Kp = K rounded up to 64, K4 = Kp / 4, P = ceil(N / 16) panels.
 """

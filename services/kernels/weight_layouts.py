@@ -5,9 +5,8 @@ A weight can be held in up to three layouts on a CPU: its own (the rows the mode
 again, so:
 - a panel copy is preferred within PREFER_MARGIN of the fastest candidate (PREFILL_PREFER_MARGIN in prefill's
   bucket), since a weight whose every bucket reads its panels frees its own layout (`LlamaModel._drop_unread_layouts`)
-  and between candidates this close the timing's noise, not the kernels, would decide its memory; where the own layout
-  stays whatever the choice (weight-only int8), the reverse: the copy is made only for a kernel more than COPY_MARGIN
-  faster;
+  and between candidates this close the timing's noise, not the kernels, would decide its memory; weight-only int8's
+  one-row bucket too, though its rows stay (`preference`);
 - a dense weight never keeps all three: where its buckets chose its rows, oneDNN's copy and the panels, the panels'
   buckets are chosen again without them (`reads_three_layouts`);
 - copies are made at the plan's end for the weights that read them and dropped for the others (`keep_chosen_copies`).
@@ -34,9 +33,6 @@ PREFER_MARGIN = 1.03
 # but a 3-round timing at 128 rows gave one `1b` shape (2048 x 8192) to oneDNN, whose copy then cost 512 MiB beside
 # the panels: the copy is kept only for a product more than 10% faster
 PREFILL_PREFER_MARGIN = 1.10
-# a weight-only int8 weight keeps its rows (its batches and prefill read them), so its panel copy costs the weight's
-# bytes again: kept only where it is more than 5% faster than the rows' best kernel
-COPY_MARGIN = 1.05
 Names = tuple[str, ...]  # a candidate name per row bucket (kernel_plan.BUCKETS)
 
 
@@ -51,18 +47,17 @@ def reads_panels(name: str) -> bool:
     return name.startswith("native.panels") or name == "dequant.panels"
 
 
-def reads_own_layout(name: str) -> bool:
-    return not reads_panels(name)
-
-
 def preference(key: tuple, rows: int) -> Preference | None:
     """The preference of a weight of `key` (kernel_plan.weight_key) timed at `rows`: its panels in int4's decode buckets
-    (its prefill reads the panels through `from_panels_alone`) and every bucket of a bf16 weight (the panel kernel
-    serves all); its own rows in weight-only int8's decode buckets (`COPY_MARGIN`)."""
+    (its prefill reads the panels through `from_panels_alone`), every bucket of a bf16 weight (the panel kernel serves
+    all) and weight-only int8's one-row bucket. int8's rows stay (its batches and prefill read them), but at one row its
+    panels are never slower and when the host's memory runs fast 1.15-1.28x faster, which a plan timed in one of its
+    slow spells (all kernels alike at ~28 GB/s, AMD EPYC Zen 4) would not see: its copy, 1 GB for the `1b`, is made
+    wherever copies fit (docs/kernels.md)."""
     if key[-1] == "bfloat16":
         return Preference(reads_panels, PREFER_MARGIN if rows <= 64 else PREFILL_PREFER_MARGIN)
-    if key[-1] == "int8" and rows <= 64:
-        return Preference(reads_own_layout, COPY_MARGIN)
+    if key[-1] == "int8" and rows == 1:
+        return Preference(reads_panels, PREFER_MARGIN)
     return Preference(reads_panels, PREFER_MARGIN) if key[-1] == "int4" and rows <= 64 else None
 
 
