@@ -1,6 +1,5 @@
 // Per-channel int8 weights (weight-only int8) in 16-row panels (services/kernels/int8_panels.py: a copy of the
-// weight, made where the kernel plan chose this kernel, and then its only copy where it chose it for every row count),
-// times bf16 x in 21-bit fixed point on CPUs with AVX512-VNNI: x's rows as three int8 digit rows each (x_digits.h),
+// weight, made where the kernel plan chose this kernel and kept beside its rows), times bf16 x in 21-bit fixed point on CPUs with AVX512-VNNI: x's rows as three int8 digit rows each (x_digits.h),
 // multiplied by the panels' bytes exactly in int32, the three dots joined exactly in int64, then one float
 // conversion, x's unit and W's scale — int8_digits_linear.cpp's product bit for bit, from another layout.
 //
@@ -18,8 +17,8 @@
 // across a vector's lanes; here a 64-byte entry is 16 rows' quads of one column quad, so each vpdpbusd takes one
 // broadcast quad of a digit row, the 16 rows' dots stay in the lanes, and a panel is one contiguous stream, as
 // bf16_panel_linear.cpp's are; one W load serves the pass's digit rows. One x row, AMD EPYC Zen 4, 2 threads, weights
-// cycled from memory: 1.16-1.25x faster than the row layout's best kernel on the `1b` shapes; from 4 rows those win
-// (docs/kernels.md), so the copy is kept beside the rows (int8_panels.py).
+// cycled from memory: 1.15-1.28x faster than the row layout's best kernel on the `1b` shapes; at 4-32 rows 0.9-1.2x
+// its time (docs/kernels.md), so the rows stay (int8_panels.py).
 #pragma GCC optimize("fp-contract=off")  // float(D) * u * scale, then + bias: each rounded as written
 
 #include <torch/extension.h>
