@@ -1,7 +1,8 @@
 // Per-channel int8 weights (weight-only int8) in 16-row panels (services/kernels/int8_panels.py: a copy of the
-// weight, made where the kernel plan chose this kernel and kept beside its rows), times bf16 x in 21-bit fixed point on CPUs with AVX512-VNNI: x's rows as three int8 digit rows each (x_digits.h),
-// multiplied by the panels' bytes exactly in int32, the three dots joined exactly in int64, then one float
-// conversion, x's unit and W's scale — int8_digits_linear.cpp's product bit for bit, from another layout.
+// weight, made where the kernel plan chose this kernel and kept beside its rows), times bf16 x in 21-bit fixed point
+// on CPUs with AVX512-VNNI: x's rows as three int8 digit rows each (x_digits.h), multiplied by the panels' bytes
+// exactly in int32, the three dots joined exactly in int64, then one float conversion, x's unit and W's scale —
+// int8_digits_linear.cpp's product bit for bit, from another layout.
 //
 // Legend: M rows of x, K input features (<= 65,536: the dots stay in int32), Kp = K rounded up to 64, K4 = Kp / 4
 // column quads, N output features, P = ceil(N / 16) panels (the last one's missing rows zero), R = 3M digit rows.
