@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 from services.int4_weight import GROUP, Int4Weight
 from services.kernels.batch_candidates import batch_candidates
-from services.kernels.bf16_panels import BF16_PANELS
+from services.kernels.bf16_panels import BF16_PANELS, Bf16Panels
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
-from services.kernels.int4_panels import INT4_PANELS
-from services.kernels.int8_panels import INT8_PANELS
+from services.kernels.int4_panels import INT4_PANELS, Int4Panels
+from services.kernels.int8_panels import INT8_PANELS, Int8Panels
 from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.kernels.stream_variants import PANEL_VARIANTS, SKINNY_VARIANTS, X16_VARIANTS, parts_name
 from services.kernels.w4a8_candidates import w4a8_candidates
@@ -143,6 +143,13 @@ def _native_int4(kernel: Callable, *options: int) -> LinearFn:
     return int4
 
 
+def _panel_variants(copies: Int4Panels | Int8Panels | Bf16Panels, native: ModuleType, max_rows: int
+                    ) -> dict[str, LinearFn]:
+    # one row: every streaming variant (PANEL_VARIANTS); several: one stream, into the caches or past them
+    return {parts_name("native.panels", streams, nt): copies.linear(native, streams, nt)
+            for streams, nt in (PANEL_VARIANTS if max_rows == 1 else ((1, False), (1, True)))}
+
+
 def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int, native: ModuleType | None,
                packed: bool = False, compute: torch.dtype | None = None) -> dict[str, LinearFn]:
     """The kernels that can run a weight of `weight_format` ("int8", "w8a8", "int4", "w4a8", else a dense dtype) and
@@ -157,19 +164,16 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         found.update(batch_candidates(weight_format, in_features, native))
     if (weight_format == "int4" and on_cpu and packed and max_rows <= 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int4_panel_linear")):  # a copy of W in 16-row panels (int4_panels.py), bf16 x
-        for streams, nt in PANEL_VARIANTS if max_rows == 1 else ((1, False), (1, True)):
-            found[parts_name("native.panels", streams, nt)] = INT4_PANELS.linear(native, streams, nt)
+        found.update(_panel_variants(INT4_PANELS, native, max_rows))
     if (weight_format == "int4" and on_cpu and packed and max_rows > 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int4_panel_dequantize")):  # prefill from the panel copy: no row layout needed
         found["dequant.panels"] = INT4_PANELS.dequant_linear(native)
     if (weight_format == "int8" and on_cpu and packed and max_rows <= 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int8_panel_linear")):  # a copy of W in 16-row panels (int8_panels.py), bf16 x
-        for streams, nt in PANEL_VARIANTS if max_rows == 1 else ((1, False), (1, True)):
-            found[parts_name("native.panels", streams, nt)] = INT8_PANELS.linear(native, streams, nt)
+        found.update(_panel_variants(INT8_PANELS, native, max_rows))
     if (weight_format == "bfloat16" and on_cpu and packed and compute in (None, torch.bfloat16)
             and hasattr(native, "bf16_panel_linear")):  # a copy of W in 16-row panels (bf16_panels.py), every row count
-        for streams, nt in PANEL_VARIANTS if max_rows == 1 else ((1, False), (1, True)):
-            found[parts_name("native.panels", streams, nt)] = BF16_PANELS.linear(native, streams, nt)
+        found.update(_panel_variants(BF16_PANELS, native, max_rows))
     return found
 
 

@@ -7,7 +7,7 @@
 //          sums[(s * MT + m) * 16 + r] = x row m0 + m . W row 16 (p + s * apart) + r, for S panels `apart` apart
 //   bias:  [N] float32 or nullptr;  y: [M, N] bf16, each sum (+ bias) rounded once (w4a8_panels.h's store_row)
 // One x row: each thread's panels read as `streams` parts (1, 2 or 4), a panel of each together. Several rows: each
-// panel (or PairRows adjacent panels together) once from memory, against kTile rows of x at a time (later passes find
+// panel (or PairRows adjacent panels together) once from memory, against Tile rows of x at a time (later passes find
 // it in L2).
 #pragma once
 
@@ -66,7 +66,7 @@ struct Rows {
   }
 };
 
-// The checks both products make of their call: x a CPU bf16 [M, K], one-row streams 1, 2 or 4.
+// The checks every panel product makes of its call: x a CPU bf16 [M, K], one-row streams 1, 2 or 4.
 inline void check_call(const torch::Tensor& x, int64_t streams) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "x must be a CPU bfloat16 [M, K]");

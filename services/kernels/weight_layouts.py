@@ -56,9 +56,8 @@ def preference(key: tuple, rows: int) -> Preference | None:
     wherever copies fit (docs/kernels.md)."""
     if key[-1] == "bfloat16":
         return Preference(reads_panels, PREFER_MARGIN if rows <= 64 else PREFILL_PREFER_MARGIN)
-    if key[-1] == "int8" and rows == 1:
-        return Preference(reads_panels, PREFER_MARGIN)
-    return Preference(reads_panels, PREFER_MARGIN) if key[-1] == "int4" and rows <= 64 else None
+    decode_panels = (key[-1] == "int4" and rows <= 64) or (key[-1] == "int8" and rows == 1)
+    return Preference(reads_panels, PREFER_MARGIN) if decode_panels else None
 
 
 def reads_three_layouts(names: Names) -> bool:
