@@ -28,6 +28,7 @@ from services.kernels.bf16_panels import BF16_PANELS, ValuesDropped, without_val
 from services.kernels.decode_chain import DecodeChains
 from services.kernels.decoder_glue import DecoderGlue, rms_norm
 from services.kernels.int4_panels import INT4_PANELS
+from services.kernels.int8_panels import INT8_PANELS
 from services.kernels.kernel_plan import KernelPlan
 from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.model_config import ModelConfig
@@ -121,9 +122,10 @@ class LlamaModel:
             self.embed = self.lm_head  # still one tensor: the lookup table is the output projection
 
     def _drop_unread_layouts(self) -> None:
-        """Free the own layout of every weight whose chosen kernels all read its copies (kernel_plan.py: int4's panels;
-        a dense weight's panels or oneDNN's packed copy): an int4 weight then takes 0.625 bytes a value, not twice that,
-        a bf16 one read only by the panel kernel 2 bytes, not 4. A tied output projection is also the embedding's
+        """Free the own layout of every weight whose chosen kernels all read its copies (kernel_plan.py: int4's and
+        weight-only int8's panels; a dense weight's panels or oneDNN's packed copy): an int4 weight then takes 0.625
+        bytes a value, not twice that, an int8 one 1 byte, not 2, a bf16 one read only by the panel kernel 2 bytes,
+        not 4. A tied output projection is also the embedding's
         lookup table: it goes only where its copy is the panels, from which `_embed` gathers the rows."""
         owners = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
         tied = self.lm_head is self.embed
@@ -134,6 +136,9 @@ class LlamaModel:
             if type(weight) is Int4Weight and not weight.rows_dropped and not self.plan.reads_rows(weight):
                 dropped, bytes_ = weight.without_rows(), weight.packed
                 INT4_PANELS.rekey(weight, dropped)
+            elif type(weight) is Int8Weight and INT8_PANELS.holds(weight) and not self.plan.reads_rows(weight):
+                dropped, bytes_ = weight.without_rows(), weight.qweight
+                INT8_PANELS.rekey(weight, dropped)
             elif (type(weight) is torch.Tensor and weight.device.type == "cpu" and not self.plan.reads_rows(weight)
                   and (BF16_PANELS.holds(weight) or ONEDNN_PACKS.holds(weight))):
                 dropped, bytes_ = without_values(weight), weight

@@ -29,6 +29,7 @@ class Int8Weight:
     qweight: torch.Tensor  # [N, K] int8, values in [-127, 127]
     scale: torch.Tensor  # [N] float32
     dynamic_activations: bool = False  # "w8a8": products quantize x per row too
+    rows_dropped: bool = False  # `without_rows`: `qweight` keeps its shape, not its bytes
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dynamic_activations: bool = False) -> Int8Weight:
@@ -40,7 +41,20 @@ class Int8Weight:
         return cls(qweight.contiguous(), scale.contiguous(), dynamic_activations)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.qweight.float() * self.scale[:, None]).to(dtype)  # [N, K]
+        return (self.rows().float() * self.scale[:, None]).to(dtype)  # [N, K]
+
+    def rows(self) -> torch.Tensor:
+        """`qweight`, for the torch products that read it (the native ones refuse the stub `without_rows` leaves)."""
+        if self.rows_dropped:
+            raise RuntimeError("this int8 weight dropped its rows (its kernels read the panel copy)")
+        return self.qweight
+
+    def without_rows(self) -> Int8Weight:
+        """The same weight without its rows' bytes, for one whose every kernel reads its panel copy (int8_panels.py):
+        `qweight` becomes its shape without storage, which the native kernels refuse (not contiguous) and `rows` too,
+        so nothing reads zeros in its place; `scale` ([N]) stays."""
+        stub = torch.zeros(1, 1, dtype=self.qweight.dtype, device=self.qweight.device).expand(self.qweight.shape)
+        return dataclasses.replace(self, qweight=stub, rows_dropped=True)
 
     @property
     def shape(self) -> torch.Size:

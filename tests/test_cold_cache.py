@@ -98,8 +98,8 @@ def test_bf16_weights_prefer_their_panels_in_every_bucket_and_prefill_by_more():
     assert preference((16, 64, "bfloat16"), 128) == Preference(reads_panels, PREFILL_PREFER_MARGIN)
     assert preference((16, 64, "int4"), 32) == Preference(reads_panels, PREFER_MARGIN)
     assert preference((16, 64, "int4"), 128) is None  # its prefill reads them through from_panels_alone
-    assert preference((16, 64, "int8"), 1) == Preference(reads_panels, PREFER_MARGIN)  # one row only: its rows stay
-    assert preference((16, 64, "int8"), 8) is None and preference((16, 64, "w8a8"), 1) is None
+    assert preference((16, 64, "int8"), 8) == Preference(reads_panels, PREFER_MARGIN)  # int8's too (weight-only)
+    assert preference((16, 64, "int8"), 128) is None and preference((16, 64, "w8a8"), 1) is None
     assert preference((16, 64, "float32"), 1) is None
 
 

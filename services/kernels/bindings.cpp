@@ -22,6 +22,9 @@ torch::Tensor bf16_panel_linear(const torch::Tensor& x, const torch::Tensor& pan
 torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
                                 int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
                                 bool non_temporal);
+torch::Tensor int8_panel_dequantize(const torch::Tensor& panels, int64_t N, torch::Tensor out);
+torch::Tensor int8_panel_pairs_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
+                                      int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_panel_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                                     int64_t N, torch::Tensor out);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -122,6 +125,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(packed, scale, low): W converted once a call into bf16 pair panels, vdpbf16ps register tiles "
         "(AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("packed"), py::arg("low"), py::arg("bias"));
+  m.def("int8_panel_pairs_linear", &int8_panel_pairs_linear,
+        "pair_tiled_linear's product for a weight-only int8 weight, bit for bit, from its panel copy (int8_panels.py: "
+        "panels, scale) instead of its rows (AVX512-BF16 CPUs)",
+        py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("out_features"), py::arg("bias"));
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   m.def("int8_panel_linear", &int8_panel_linear,
@@ -131,6 +138,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "caches or past them (non_temporal) (AVX512-VNNI CPUs)",
         py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("out_features"), py::arg("bias"),
         py::arg("streams") = 1, py::arg("non_temporal") = false);
+  m.def("int8_panel_dequantize", &int8_panel_dequantize,
+        "W's int8 values (exact, as bf16) from the panel copy of a weight-only int8 weight (int8_panels.py) into out "
+        "[N, K]: prefill's dense product without the rows (AVX512-VNNI CPUs)",
+        py::arg("panels"), py::arg("out_features"), py::arg("out"));
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   m.def("amx_linear", &amx_linear,

@@ -24,8 +24,11 @@
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "panel_rows.h"
@@ -151,6 +154,41 @@ torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& pan
   panel_rows::run<1, kTile>(Dots{panels.data_ptr<int32_t>(), quads.data(), stride, d, scale.data_ptr<float>(), K4},
                             bias32, M, N, y.data_ptr<at::BFloat16>(), streams, non_temporal);
   return y;
+}
+
+// The copy's values back as W (w, not w + 128: integers, exact in bf16) into out [N, K]: `dequant.panels`' dense W,
+// dequant.linear's from the rows bit for bit, for prefill's product where the rows were dropped (int8_panels.py).
+torch::Tensor int8_panel_dequantize(const torch::Tensor& panels, int64_t N, torch::Tensor out) {
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.device().is_cpu() &&
+                  out.size(0) == N && N > 0 && out.size(1) > 0,
+              "out must be a contiguous CPU bfloat16 [N, K]");
+  const int64_t K = out.size(1), K4 = (K + kStep - 1) / kStep * kStep / 4, P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous()
+              && panels.device().is_cpu() && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == kPanel,
+              "panels must be a contiguous CPU int32 [", P, ", ", K4, ", 16] for ", N, " x ", K, " W, got ",
+              panels.sizes());
+  const int32_t* from = panels.data_ptr<int32_t>();
+  at::BFloat16* to = out.data_ptr<at::BFloat16>();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t live = std::min(kPanel, N - p * kPanel);
+      for (int64_t j = 0; j < K4 && 4 * j < K; ++j) {
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(from + (p * K4 + j) * kPanel), flip);
+        const int64_t bytes = std::min<int64_t>(4, K - 4 * j) * sizeof(at::BFloat16);
+        #pragma GCC unroll 4  // extracti32x4 takes an immediate
+        for (int i = 0; i < 4; ++i) {  // rows 4i .. 4i + 3's quads: a float's high half is its bf16, exactly
+          const __m512i q = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w, i));
+          const __m512i f = _mm512_castps_si512(_mm512_cvtepi32_ps(q));
+          alignas(32) int64_t quads[4];  // row 4i + t's four bf16
+          _mm256_store_si256(reinterpret_cast<__m256i*>(quads), _mm512_cvtepi32_epi16(_mm512_srli_epi32(f, 16)));
+          for (int t = 0; t < 4 && 4 * i + t < live; ++t)
+            std::memcpy(to + (p * kPanel + 4 * i + t) * K + 4 * j, &quads[t], bytes);
+        }
+      }
+    }
+  });
+  return out;
 }
 
 #endif  // AVX512-VNNI

@@ -1,11 +1,14 @@
-"""Weight-only int8 weights copied into 16-row panels for int8_panel_linear.cpp, made where the kernel plan chose that
-kernel and kept beside the weight's rows.
+"""Weight-only int8 weights copied into 16-row panels, made where the kernel plan chose a kernel that reads them; where
+every chosen kernel does, the weight's rows are dropped (`Int8Weight.without_rows`) and the panels are its only copy.
 
-Why a copy: at one row of bf16 x the panel kernel streams an int8 weight 1.16-1.25x faster than its row layout's
-kernels (AMD EPYC Zen 4, 2 threads, distinct `1b` weights cycled from memory, docs/kernels.md), and gives
-int8_digits_linear's product bit for bit; at 4-32 rows it runs 0.9-1.2x the row layout's best, so the rows stay.
-The copy (the weight's bytes again) is offered only where every weight's copy fits (`onednn_packs.fits`), preferred at
-one row (`weight_layouts.preference`), and kept only for the weights whose plan chose it.
+Why a copy: at one row of bf16 x the panel kernel (int8_panel_linear.cpp) streams an int8 weight 1.16-1.25x faster
+than its row layout's kernels (AMD EPYC Zen 4, 2 threads, distinct `1b` weights cycled from memory, docs/kernels.md),
+and gives int8_digits_linear's product bit for bit. Several rows read the same copy through that kernel's passes of 4
+rows, or through pair_tiled_linear.cpp's bf16 pair tiles (`native.panels.pairs`: its product from the rows, bit for
+bit), and prefill through `dequant.panels` (W's integers from the copy, then dequant.linear's product: bit for bit):
+so the rows are needed only where a row kernel was timed faster. The copy is offered only where every weight's copy
+fits (`onednn_packs.fits`), preferred in the decode buckets (`weight_layouts.preference`), and kept only for the
+weights whose plan chose it.
 
 Legend (int8_panel_linear.cpp's): N rows, K columns, Kp = K rounded up to 64, K4 = Kp / 4, P = ceil(N / 16) panels.
 """
@@ -18,6 +21,9 @@ from typing import NamedTuple
 
 import torch
 
+import torch.nn.functional as F
+
+from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.weight_copies import WeightCopies
 from services.quantized_weight import Int8Weight
 
@@ -61,6 +67,24 @@ class Int8Panels(WeightCopies[Int8PanelCopy]):
             copy = self.copy(weight)
             return native.int8_panel_linear(x, copy.panels, copy.scale, weight.shape[0], bias, streams, non_temporal)
         return int8_panels
+
+    def pairs_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+        """Batches: pair_tiled_linear's product (`native.pairs`) bit for bit, W converted into its bf16 pair panels
+        from this copy (int8_panel_pairs_linear) instead of the rows."""
+        def int8_panel_pairs(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+            copy = self.copy(weight)
+            return native.int8_panel_pairs_linear(x, copy.panels, copy.scale, weight.shape[0], bias)
+        return int8_panel_pairs
+
+    def dequant_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+        """Many rows (prefill): W's integers from this copy (int8_panel_dequantize), then `dequant.linear`'s dense bf16
+        product and scaling — its output bit for bit, without the rows."""
+        def dequant_panels(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+            out = DEQUANT_BUFFER.scratch(weight.shape, torch.bfloat16, x.device)
+            dense = native.int8_panel_dequantize(self.copy(weight).panels, weight.shape[0], out)
+            y = F.linear(x.to(torch.bfloat16), dense, None).mul_(weight.scale.to(torch.bfloat16))
+            return (y if bias is None else y.add_(bias)).to(x.dtype)
+        return dequant_panels
 
 
 INT8_PANELS = Int8Panels()

@@ -88,9 +88,8 @@ class KernelPlan:
         """y = x @ weight^T (+ bias); x: [M, K], weight [N, K] (any format) -> [M, N]."""
         return self._table[weight_key(weight)][bucket_of(x.shape[0])](x, weight, bias)
 
-    def reads_rows(self, weight: torch.Tensor | Int4Weight) -> bool:
-        """Whether any kernel chosen for this weight (int4 or dense) reads its own layout (else only its copies: panels,
-        oneDNN's)."""
+    def reads_rows(self, weight: torch.Tensor | Int8Weight | Int4Weight) -> bool:
+        """Whether any kernel chosen for this weight reads its own layout (else only its copies: panels, oneDNN's)."""
         return not all(reads_panels(n) or n == "onednn.packed" for n in self.linear_choices[weight_key(weight)])
 
     def chosen(self, weight: torch.Tensor | Int8Weight | Int4Weight, bucket: int) -> tuple[str, LinearFn]:
@@ -142,8 +141,11 @@ class KernelPlan:
                           offered: Callable[[str], bool] = lambda name: True) -> str:
             nonlocal measured
             key = weight_key(weight)
+            # dequant.panels is dequant.linear's product bit for bit: not timed (a tie would keep a copy for prefill
+            # alone), but put in its place where the rows can go (from_panels_alone)
             found = {name: fn for name, fn in candidates(key[-1], device.type == "cpu", weight.shape[1], MAX_ROWS[b],
-                                                         native, packed, compute=dtype).items() if offered(name)}
+                                                         native, packed, compute=dtype).items()
+                     if offered(name) and name != "dequant.panels"}
             if mode == "native":  # one fixed kernel, nothing timed: every engine of a run computes alike
                 # the native kernel where it runs (few rows), else w4a8's or w8a8's own product (every row
                 # count), else the first (torch.linear / dequant.linear)

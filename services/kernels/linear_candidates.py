@@ -62,14 +62,14 @@ def _int8_dequant_linear(compute: torch.dtype | None = None, product: LinearFn =
     # 16-bit products are slow, see _float32_linear), then each output column scaled
     def dequant_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = compute or x.dtype
-        y = product(x.to(dtype), DEQUANT_BUFFER.holding(weight.qweight, dtype), None).mul_(weight.scale.to(dtype))
+        y = product(x.to(dtype), DEQUANT_BUFFER.holding(weight.rows(), dtype), None).mul_(weight.scale.to(dtype))
         y = y if bias is None else y.add_(bias)
         return y.to(x.dtype)
     return dequant_linear
 
 
 def _int8_pack_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    y = torch._weight_int8pack_mm(x, weight.qweight, weight.scale.to(x.dtype))
+    y = torch._weight_int8pack_mm(x, weight.rows(), weight.scale.to(x.dtype))
     return y if bias is None else y + bias
 
 
@@ -171,6 +171,11 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if (weight_format == "int8" and on_cpu and packed and max_rows <= 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int8_panel_linear")):  # a copy of W in 16-row panels (int8_panels.py), bf16 x
         found.update(_panel_variants(INT8_PANELS, native, max_rows))
+        if max_rows > 1 and hasattr(native, "int8_panel_pairs_linear"):  # batches: bf16 pair tiles from the copy
+            found["native.panels.pairs"] = INT8_PANELS.pairs_linear(native)
+    if (weight_format == "int8" and on_cpu and packed and max_rows > 64 and compute in (None, torch.bfloat16)
+            and hasattr(native, "int8_panel_dequantize")):  # prefill from the panel copy: no rows needed
+        found["dequant.panels"] = INT8_PANELS.dequant_linear(native)
     if (weight_format == "bfloat16" and on_cpu and packed and compute in (None, torch.bfloat16)
             and hasattr(native, "bf16_panel_linear")):  # a copy of W in 16-row panels (bf16_panels.py), every row count
         found.update(_panel_variants(BF16_PANELS, native, max_rows))

@@ -5,13 +5,14 @@
 // MR <= 8 rows of x per register tile, Kx = K rounded up to whole chunks.
 //   x:      [M, K]        bfloat16 (other dtypes: not taken, see linear_candidates.py)
 //   W:      [N, K] bfloat16; or int8 with scale [N] float32 (w_real[n, k] = w[n, k] * scale[n]); or group-wise int4
-//           (packed [N, Kp / 2], scale and low [N, Kp / 32] float16: int4_block.h)
+//           (packed [N, Kp / 2], scale and low [N, Kp / 32] float16: int4_block.h); or (int8_panel_pairs_linear)
+//           int8 from its panel copy (int8_panels.py)
 //   bias:   [N]           optional, x's dtype
 //   y:      [M, N]        x's dtype, rounded once from the float32 sums
 //   xs:     [M, Kx]       bf16, x with zeros past K: its 32-bit lanes are the pairs (x[m, 2j], x[m, 2j + 1])
 //   rows:   [NR, KC]      bf16, per thread: one chunk of the panel's W rows (int8 exactly as integers, scaled at the
-//           end; int4 dequantized and rounded to bf16, as int4's prefill path does)
-//   panel:  [KC / 2, NR]  int32, per thread: rows transposed, lane n of entry j the pair (W[n, 2j], W[n, 2j + 1])
+//           end; int4 dequantized and rounded to bf16, as int4's prefill path does), where W is rows (pair_sources.h)
+//   panel:  [KC / 2, NR]  int32, per thread: lane n of entry j the pair (W[n, 2j], W[n, 2j + 1]) (pair_sources.h)
 //   sums:   [M, NR]       float32, per thread: the panel's sums over the chunks so far
 //
 // Why: with several rows the streaming kernels convert each W element once per row (int8_x16, int4_linear) or read W
@@ -30,24 +31,16 @@
 #include <vector>
 
 #include "int4_block.h"
-#include "transpose16.h"
+#include "pair_sources.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {
 
-constexpr int64_t kNR = 32, kKC = 128, kMR = 8;
-
-// panel [KC / 2, NR] from rows [NR, KC] (bf16, row-major)
-inline void pack_panel(const at::BFloat16* rows, int32_t* panel) {
-  for (int half = 0; half < 2; ++half)
-    for (int64_t j0 = 0; j0 < kKC / 2; j0 += 16) {
-      __m512i in[16], out[16];
-      for (int r = 0; r < 16; ++r) in[r] = _mm512_loadu_si512(rows + (16 * half + r) * kKC + 2 * j0);
-      transpose16(in, out);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(panel + (j0 + j) * kNR + 16 * half, out[j]);
-    }
-}
+using pair_sources::FromRows;
+using pair_sources::kKC;
+using pair_sources::kNR;
+constexpr int64_t kMR = 8;
 
 // sums [MR, NR] (+)= x's tile . panel, x's tile [KC / 2, kMR] int32 pairs (xp's layout)
 template <int MR>
@@ -98,67 +91,7 @@ inline std::vector<int32_t> pack_x(const at::BFloat16* x, int64_t M, int64_t K, 
   return xp;
 }
 
-// bytes from p on into the L2 cache (lines past the end of a row may be fetched: only ever read within the tensor
-// or its allocation's last line)
-inline void fetch_bytes(const void* p, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 2);
-}
-
-// One chunk of W row n (columns k0 .. k0 + KC, zeros past K) as bf16, into out [KC], for each weight format.
-struct Bf16Rows {
-  const at::BFloat16* w;
-  int64_t K;
-  void row(int64_t n, int64_t k0, at::BFloat16* out) const {
-    const int64_t len = std::clamp<int64_t>(K - k0, 0, kKC);
-    std::memcpy(out, w + n * K + k0, len * sizeof(at::BFloat16));
-    std::fill(out + len, out + kKC, at::BFloat16(0.f));
-  }
-  void fetch(int64_t n, int64_t k0) const { fetch_bytes(w + n * K + k0, std::min<int64_t>(K - k0, kKC) * 2); }
-};
-
-struct Int8Rows {
-  const int8_t* w;
-  int64_t K;
-  void row(int64_t n, int64_t k0, at::BFloat16* out) const {  // exact: |w| <= 127 fits bf16's 8 bits
-    const int8_t* src = w + n * K + k0;
-    const int64_t len = std::clamp<int64_t>(K - k0, 0, kKC);
-    int64_t k = 0;
-    for (; k + 32 <= len; k += 32) {
-      const __m128i* at = reinterpret_cast<const __m128i*>(src + k);
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
-      _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-    for (; k < len; ++k) out[k] = at::BFloat16(static_cast<float>(src[k]));
-    std::fill(out + len, out + kKC, at::BFloat16(0.f));
-  }
-  void fetch(int64_t n, int64_t k0) const { fetch_bytes(w + n * K + k0, std::min<int64_t>(K - k0, kKC)); }
-};
-
-struct Int4Rows {
-  const uint8_t* packed;
-  const at::Half *scale, *low;
-  int64_t K, Kp;
-  void row(int64_t n, int64_t k0, at::BFloat16* out) const {
-    float sc[kKC / int4::kGroup], lo[kKC / int4::kGroup];
-    const int64_t len = std::clamp<int64_t>(K - k0, 0, kKC), groups = Kp / int4::kGroup;
-    if (len > 0) {  // whole 64-column blocks of the chunk (Kp is a multiple of 64; KC too), by lookup (block_bf16)
-      const int64_t span = std::min<int64_t>(kKC, Kp - k0);
-      int4::row_params(scale + n * groups + k0 / int4::kGroup, low + n * groups + k0 / int4::kGroup,
-                       span / int4::kGroup, sc, lo);
-      for (int64_t b = 0; b < span / int4::kBlock; ++b)
-        int4::block_bf16(packed + n * Kp / 2 + k0 / 2, b, sc, lo, out + b * int4::kBlock);
-    }
-    std::fill(out + len, out + kKC, at::BFloat16(0.f));  // past K (and past the blocks: the chunk's end)
-  }
-  void fetch(int64_t n, int64_t k0) const {
-    fetch_bytes(packed + n * Kp / 2 + k0 / 2, std::min<int64_t>(Kp - k0, kKC) / 2);
-    fetch_bytes(scale + n * Kp / int4::kGroup + k0 / int4::kGroup, kKC / int4::kGroup * 2);
-    fetch_bytes(low + n * Kp / int4::kGroup + k0 / int4::kGroup, kKC / int4::kGroup * 2);
-  }
-};
-
-// y [M, N] float32 = x @ W^T with W's rows from `source`; xp: x packed (pack_x)
+// y [M, N] float32 = x @ W^T with W from `source` (pair_sources.h); xp: x packed (pack_x)
 template <typename Source>
 void product(const Source& source, const std::vector<int32_t>& xp, int64_t M, int64_t N, int64_t Kx, float* y) {
   const int64_t panels = (N + kNR - 1) / kNR, chunk_ints = (M + kMR - 1) / kMR * kKC / 2 * kMR;
@@ -169,16 +102,10 @@ void product(const Source& source, const std::vector<int32_t>& xp, int64_t M, in
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNR, live = std::min(kNR, N - n0);
       for (int64_t k0 = 0; k0 < Kx; k0 += kKC) {
-        for (int64_t r = 0; r < kNR; ++r) {
-          if (r < live) source.row(n0 + r, k0, rows.data() + r * kKC);
-          else std::fill(rows.data() + r * kKC, rows.data() + (r + 1) * kKC, at::BFloat16(0.f));
-        }
-        pack_panel(rows.data(), panel.data());
-        // the next chunk's rows (this panel's, else the next panel's first) fetched while this one is multiplied:
-        // read as 32 short streams they were otherwise waited for, as long as the products took
+        source.fill(n0, N, k0, rows.data(), panel.data());
+        // the next chunk (this panel's, else the next panel's first) fetched while this one is multiplied
         const int64_t next_k = k0 + kKC < Kx ? k0 + kKC : 0, next_n = k0 + kKC < Kx ? n0 : n0 + kNR;
-        for (int64_t r = 0; r < kNR && next_n + r < N && (next_k > 0 || p + 1 < p1); ++r)
-          source.fetch(next_n + r, next_k);
+        if (next_k > 0 || p + 1 < p1) source.fetch(next_n, N, next_k);
         tiles(xp.data() + k0 / kKC * chunk_ints, M, panel.data(), k0 == 0, sums.data());
       }
       for (int64_t m = 0; m < M; ++m) std::copy(sums.data() + m * kNR, sums.data() + m * kNR + live, y + m * N + n0);
@@ -203,8 +130,9 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
     const int4::Int4Args a = int4::check_product(x, *packed, *scale, *low);
     N = a.N;
     y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
-    product(Int4Rows{packed->data_ptr<uint8_t>(), scale->data_ptr<at::Half>(), low->data_ptr<at::Half>(), K, a.Kp},
-            xp, M, N, Kx, y32.data_ptr<float>());
+    const pair_sources::Int4Rows rows{packed->data_ptr<uint8_t>(), scale->data_ptr<at::Half>(),
+                                      low->data_ptr<at::Half>(), K, a.Kp};
+    product(FromRows<pair_sources::Int4Rows>{rows}, xp, M, N, Kx, y32.data_ptr<float>());
   } else {
     TORCH_CHECK(w.has_value() && w->dim() == 2 && w->size(1) == K && w->is_contiguous() && w->device().is_cpu(),
                 "w must be a contiguous CPU [N, K]");
@@ -213,13 +141,37 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
     if (w->scalar_type() == at::kChar) {
       TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N,
                   "int8 needs scale [N] float32");
-      product(Int8Rows{w->data_ptr<int8_t>(), K}, xp, M, N, Kx, y32.data_ptr<float>());
+      product(FromRows<pair_sources::Int8Rows>{{w->data_ptr<int8_t>(), K}}, xp, M, N, Kx, y32.data_ptr<float>());
       y32.mul_(*scale);
     } else {
       TORCH_CHECK(w->scalar_type() == at::kBFloat16 && !scale.has_value(), "w must be bf16, or int8 with scale");
-      product(Bf16Rows{w->data_ptr<at::BFloat16>(), K}, xp, M, N, Kx, y32.data_ptr<float>());
+      product(FromRows<pair_sources::Bf16Rows>{{w->data_ptr<at::BFloat16>(), K}}, xp, M, N, Kx,
+              y32.data_ptr<float>());
     }
   }
+  if (bias.has_value()) y32.add_(bias->to(at::kFloat));
+  return y32.to(at::kBFloat16);
+}
+
+// The same product for weight-only int8 from its panel copy (int8_panels.py: panels [P, K4, 16] int32, scale
+// [P * 16] float32): pair_tiled_linear's on the weight's rows, bit for bit, with no rows read.
+torch::Tensor int8_panel_pairs_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
+                                      int64_t N, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a CPU bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), Kx = (K + kKC - 1) / kKC * kKC, K4 = (K + 63) / 64 * 16;
+  const int64_t P = (N + 15) / 16;
+  TORCH_CHECK(N > 0 && K > 0, "W must have rows and columns");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous()
+              && panels.device().is_cpu() && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == 16,
+              "panels must be a contiguous CPU int32 [", P, ", ", K4, ", 16] for ", N, " x ", K, " W, got ",
+              panels.sizes());
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.device().is_cpu()
+              && scale.size(0) == P * 16, "scale must be a contiguous CPU float32 [", P * 16, "]");
+  const torch::Tensor xc = x.contiguous();
+  const std::vector<int32_t> xp = pack_x(xc.data_ptr<at::BFloat16>(), M, K, Kx);
+  torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  product(pair_sources::Int8PanelPairs{panels.data_ptr<int32_t>(), P, K4}, xp, M, N, Kx, y32.data_ptr<float>());
+  y32.mul_(scale.slice(0, 0, N));
   if (bias.has_value()) y32.add_(bias->to(at::kFloat));
   return y32.to(at::kBFloat16);
 }

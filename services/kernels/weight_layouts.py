@@ -5,8 +5,7 @@ A weight can be held in up to three layouts on a CPU: its own (the rows the mode
 again, so:
 - a panel copy is preferred within PREFER_MARGIN of the fastest candidate (PREFILL_PREFER_MARGIN in prefill's
   bucket), since a weight whose every bucket reads its panels frees its own layout (`LlamaModel._drop_unread_layouts`)
-  and between candidates this close the timing's noise, not the kernels, would decide its memory; weight-only int8's
-  one-row bucket too, though its rows stay (`preference`);
+  and between candidates this close the timing's noise, not the kernels, would decide its memory (`preference`);
 - a dense weight never keeps all three: where its buckets chose its rows, oneDNN's copy and the panels, the panels'
   buckets are chosen again without them (`reads_three_layouts`);
 - copies are made at the plan's end for the weights that read them and dropped for the others (`keep_chosen_copies`).
@@ -48,16 +47,14 @@ def reads_panels(name: str) -> bool:
 
 
 def preference(key: tuple, rows: int) -> Preference | None:
-    """The preference of a weight of `key` (kernel_plan.weight_key) timed at `rows`: its panels in int4's decode buckets
-    (its prefill reads the panels through `from_panels_alone`), every bucket of a bf16 weight (the panel kernel serves
-    all) and weight-only int8's one-row bucket. int8's rows stay (its batches and prefill read them), but at one row its
-    panels are never slower and when the host's memory runs fast 1.15-1.28x faster, which a plan timed in one of its
-    slow spells (all kernels alike at ~28 GB/s, AMD EPYC Zen 4) would not see: its copy, 1 GB for the `1b`, is made
-    wherever copies fit (docs/kernels.md)."""
+    """The preference of a weight of `key` (kernel_plan.weight_key) timed at `rows`: its panels in the decode buckets
+    of int4 and weight-only int8 (their prefill reads the panels through `from_panels_alone`), every bucket of a bf16
+    weight (the panel kernel serves all). At one row int8's panels are never slower and when the host's memory runs
+    fast 1.15-1.28x faster, which a plan timed in one of its slow spells (all kernels alike at ~28 GB/s, AMD EPYC
+    Zen 4) would not see (docs/kernels.md)."""
     if key[-1] == "bfloat16":
         return Preference(reads_panels, PREFER_MARGIN if rows <= 64 else PREFILL_PREFER_MARGIN)
-    decode_panels = (key[-1] == "int4" and rows <= 64) or (key[-1] == "int8" and rows == 1)
-    return Preference(reads_panels, PREFER_MARGIN) if decode_panels else None
+    return Preference(reads_panels, PREFER_MARGIN) if key[-1] in ("int4", "int8") and rows <= 64 else None
 
 
 def reads_three_layouts(names: Names) -> bool:
@@ -67,11 +64,12 @@ def reads_three_layouts(names: Names) -> bool:
 
 
 def from_panels_alone(key: tuple, names: Names, native: ModuleType | None) -> Names:
-    """An int4 weight whose decode buckets all read its panel copy takes its prefill's dense W from there too where
-    the row layout's was chosen: bit for bit the same W and product (int4_panels.py), and the row layout, read by
-    nothing else, can go (`KernelPlan.reads_rows`)."""
-    if (key[-1] == "int4" and names[-1] == "dequant.linear" and all(reads_panels(n) for n in names[:-1])
-            and hasattr(native, "int4_panel_dequantize")):
+    """An int4 or weight-only int8 weight whose decode buckets all read its panel copy takes its prefill's dense W from
+    there too where the row layout's was chosen: bit for bit the same W and product (int4_panels.py, int8_panels.py),
+    and the row layout, read by nothing else, can go (`KernelPlan.reads_rows`)."""
+    dequantize = {"int4": "int4_panel_dequantize", "int8": "int8_panel_dequantize"}.get(key[-1])
+    if (dequantize and names[-1] == "dequant.linear" and all(reads_panels(n) for n in names[:-1])
+            and hasattr(native, dequantize)):
         return (*names[:-1], "dequant.panels")
     return names
 
