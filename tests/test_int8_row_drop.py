@@ -12,7 +12,13 @@ from services import Engine, SamplingParams
 from services.kernels import kernel_plan
 from services.kernels.int8_panels import INT8_PANELS, panel_copy
 from services.kernels.linear_candidates import candidates
-from services.kernels.weight_layouts import PREFER_MARGIN, Preference, from_panels_alone, preference, reads_panels
+from services.kernels.weight_layouts import (
+    PREFER_MARGIN,
+    Preference,
+    from_panels_alone,
+    preference,
+    reads_panels,
+)
 from services.quantized_weight import Int8Weight
 from services.roofline import ModelCost
 
@@ -100,7 +106,7 @@ def test_a_weight_without_rows_refuses_every_reader_of_them(native, pairs):
         with pytest.raises(RuntimeError, match="dropped its rows"):
             read()
     x = torch.randn(1, 100).bfloat16()
-    for name, fn in candidates("int8", True, 100, 1, native, False, torch.bfloat16).items():  # the rows' kernels
+    for fn in candidates("int8", True, 100, 1, native, False, torch.bfloat16).values():  # the rows' kernels
         with pytest.raises(RuntimeError):
             fn(x, dropped, None)
     found = candidates("int8", True, 100, 1, native, True, torch.bfloat16)

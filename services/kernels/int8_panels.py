@@ -20,7 +20,6 @@ from types import ModuleType
 from typing import NamedTuple
 
 import torch
-
 import torch.nn.functional as F
 
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
