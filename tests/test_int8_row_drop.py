@@ -15,6 +15,7 @@ from services.kernels.linear_candidates import candidates
 from services.kernels.weight_layouts import (
     PREFER_MARGIN,
     Preference,
+    copy_beside_rows_unneeded,
     from_panels_alone,
     preference,
     reads_panels,
@@ -124,6 +125,31 @@ def test_decode_prefers_the_panels_and_prefill_reads_them_only_where_every_decod
                   (*panels, "dequant.float32")]:  # not the same W: its own product
         assert from_panels_alone((8, 64, "int8"), names, native) == names
     assert from_panels_alone((8, 64, "w8a8"), (*panels, "dequant.linear"), native) == (*panels, "dequant.linear")
+
+
+def test_the_copy_stays_beside_the_rows_only_for_the_one_row_bucket(native, pairs, tmp_path, monkeypatch):
+    key = (8, 64, "int8")
+    assert copy_beside_rows_unneeded(key, ("native.x16", "native.panels", "native.panels.pairs", "dequant.linear"))
+    assert copy_beside_rows_unneeded(key, ("native.digits", "native.4parts", "native.panels.pairs", "dequant.linear"))
+    for names in [("native.panels", "native.4parts", "native.panels.pairs", "dequant.linear"),  # one row reads it
+                  ("native.x16", "native.4parts", "native.pairs", "dequant.linear"),  # no copy
+                  ("native.panels", "native.panels", "native.panels.pairs", "dequant.linear")]:  # no rows
+        assert not copy_beside_rows_unneeded(key, names)
+    int4 = ("native", "native.panels", "native.panels", "dequant.linear")
+    assert not copy_beside_rows_unneeded((8, 64, "int4"), int4)
+    # the plan: one row and 2-8 rows timed to the rows, 9-64 to the copy: chosen again without it, no copy made
+    picks = {1: "native.digits", 4: "native.4parts", 32: "native.panels.pairs"}
+
+    def fake(fns, device, rows, before=None, after=None, prefer=None):
+        found = (n for n in (picks.get(rows), "native.pairs", "dequant.linear", "native") if n in fns)
+        return next(found, next(iter(fns)))
+
+    monkeypatch.setattr(kernel_plan, "_fastest", fake)
+    monkeypatch.setattr(kernel_plan, "cache_root", lambda: tmp_path)
+    weight = weight_of(48, 96)
+    plan = kernel_plan.KernelPlan.choose([weight], (2, 1, 16), torch.bfloat16, torch.device("cpu"))
+    assert plan.linear_choices[(48, 96, "int8")] == ("native.digits", "native.4parts", "native.pairs", "dequant.linear")
+    assert not INT8_PANELS.holds(weight) and plan.packed_bytes == 0
 
 
 def test_the_plan_never_times_the_copys_prefill_product(native, pairs, tmp_path, monkeypatch):

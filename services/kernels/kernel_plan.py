@@ -34,6 +34,7 @@ from services.kernels.linear_candidates import LinearFn, candidates
 from services.kernels.onednn_packs import fits
 from services.kernels.weight_layouts import (
     Preference,
+    copy_beside_rows_unneeded,
     from_panels_alone,
     keep_chosen_copies,
     preference,
@@ -169,7 +170,9 @@ class KernelPlan:
             if weight_key(weight) in choices:
                 continue
             names = [choose_bucket(weight, b) for b in range(len(BUCKETS))]
-            if reads_three_layouts(names):  # rows, oneDNN's copy and the panels: the panels' buckets chosen again
+            # rows, oneDNN's copy and the panels, or int8's rows and a copy its one-row bucket does not read: the
+            # panels' buckets chosen again without them
+            if reads_three_layouts(names) or copy_beside_rows_unneeded(weight_key(weight), names):
                 names = [choose_bucket(weight, b, lambda n: not reads_panels(n)) if reads_panels(name) else name
                          for b, name in enumerate(names)]
             choices[weight_key(weight)] = tuple(names)

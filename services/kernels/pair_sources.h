@@ -1,8 +1,8 @@
-// Where pair_tiled_linear.cpp's W comes from: each source fills the per-thread panel [KC / 2, NR] (int32 bf16 pairs,
-// lane n of entry j the pair (W[n0 + n, k0 + 2j], W[n0 + n, k0 + 2j + 1]), zeros past N and K) of one chunk of NR
-// W rows, and fetches the next chunk's bytes into L2 while the current one is multiplied.
-//   Row layouts (FromRows): W's bf16, int8 or group-wise int4 rows, a chunk of each converted to bf16 into
-//   rows [NR, KC] and transposed (transpose16.h);
+// Where pair_tiled_linear.cpp's W comes from: the per-thread panel [KC / 2, NR] (int32 bf16 pairs, lane n of entry
+// j the pair (W[n0 + n, k0 + 2j], W[n0 + n, k0 + 2j + 1]), zeros past N and K) of one chunk of NR W rows, and the next
+// chunk's bytes fetched into L2 while the current one is multiplied.
+//   Row layouts (Bf16Rows, Int8Rows, Int4Rows): a chunk of each of W's rows converted to bf16 into rows [NR, KC],
+//   then transposed (pack_panel, transpose16.h);
 //   Int8PanelPairs: int8_panels.py's copy of a weight-only int8 weight ([P, K4, 16] int32, lane r of entry (p, j)
 //   W[16p + r, 4j .. 4j + 3] + 128 as four bytes), whose entries are already a row a lane: two panels make NR rows,
 //   each entry two pair entries, no transpose. The same exact integers as Int8Rows gives: the same product bit for bit.
@@ -95,28 +95,11 @@ struct Int4Rows {
   }
 };
 
-// Any of the row layouts above as a source: NR rows' chunks (zeros past N), transposed.
-template <typename Rows>
-struct FromRows {
-  Rows rows;
-  void fill(int64_t n0, int64_t N, int64_t k0, at::BFloat16* scratch, int32_t* panel) const {
-    for (int64_t r = 0; r < kNR; ++r) {
-      if (n0 + r < N) rows.row(n0 + r, k0, scratch + r * kKC);
-      else std::fill(scratch + r * kKC, scratch + (r + 1) * kKC, at::BFloat16(0.f));
-    }
-    pack_panel(scratch, panel);
-  }
-  // read as 32 short streams, the rows were otherwise waited for as long as the products took
-  void fetch(int64_t n0, int64_t N, int64_t k0) const {
-    for (int64_t r = 0; r < kNR && n0 + r < N; ++r) rows.fetch(n0 + r, k0);
-  }
-};
-
 struct Int8PanelPairs {
   const int32_t* panels;  // [P, K4, 16]
   int64_t P, K4;
 
-  void fill(int64_t n0, int64_t, int64_t k0, at::BFloat16*, int32_t* panel) const {
+  void fill(int64_t n0, int64_t k0, int32_t* panel) const {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // w + 128 -> w, as signed bytes
     // cvtne2ps_pbh(rows 4-7, rows 0-3) holds row r's quad as the pairs (c0, c1), (c2, c3) in lanes 2r, 2r + 1
     const __m512i first = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -138,7 +121,7 @@ struct Int8PanelPairs {
         _mm512_storeu_si512(panel + (2 * q + 1) * kNR + 16 * h, pair1);
       }
   }
-  void fetch(int64_t n0, int64_t, int64_t k0) const {  // two contiguous 2 KB runs
+  void fetch(int64_t n0, int64_t k0) const {  // two contiguous 2 KB runs
     for (int64_t h = 0; h < 2; ++h)
       if (n0 / 16 + h < P && k0 / 4 < K4)
         fetch_bytes(panels + ((n0 / 16 + h) * K4 + k0 / 4) * 16, std::min<int64_t>(K4 - k0 / 4, kKC / 4) * 64);

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "int4_block.h"
@@ -37,7 +38,6 @@
 
 namespace {
 
-using pair_sources::FromRows;
 using pair_sources::kKC;
 using pair_sources::kNR;
 constexpr int64_t kMR = 8;
@@ -91,6 +91,9 @@ inline std::vector<int32_t> pack_x(const at::BFloat16* x, int64_t M, int64_t K, 
   return xp;
 }
 
+template <typename Source>
+constexpr bool kFromPanels = std::is_same_v<Source, pair_sources::Int8PanelPairs>;  // else a row layout
+
 // y [M, N] float32 = x @ W^T with W from `source` (pair_sources.h); xp: x packed (pack_x)
 template <typename Source>
 void product(const Source& source, const std::vector<int32_t>& xp, int64_t M, int64_t N, int64_t Kx, float* y) {
@@ -102,10 +105,22 @@ void product(const Source& source, const std::vector<int32_t>& xp, int64_t M, in
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNR, live = std::min(kNR, N - n0);
       for (int64_t k0 = 0; k0 < Kx; k0 += kKC) {
-        source.fill(n0, N, k0, rows.data(), panel.data());
-        // the next chunk (this panel's, else the next panel's first) fetched while this one is multiplied
+        if constexpr (kFromPanels<Source>) {
+          source.fill(n0, k0, panel.data());
+        } else {
+          for (int64_t r = 0; r < kNR; ++r) {
+            if (r < live) source.row(n0 + r, k0, rows.data() + r * kKC);
+            else std::fill(rows.data() + r * kKC, rows.data() + (r + 1) * kKC, at::BFloat16(0.f));
+          }
+          pair_sources::pack_panel(rows.data(), panel.data());
+        }
+        // the next chunk (this panel's, else the next panel's first) fetched while this one is multiplied: rows read
+        // as 32 short streams were otherwise waited for, as long as the products took
         const int64_t next_k = k0 + kKC < Kx ? k0 + kKC : 0, next_n = k0 + kKC < Kx ? n0 : n0 + kNR;
-        if (next_k > 0 || p + 1 < p1) source.fetch(next_n, N, next_k);
+        if (next_k > 0 || p + 1 < p1) {
+          if constexpr (kFromPanels<Source>) source.fetch(next_n, next_k);
+          else for (int64_t r = 0; r < kNR && next_n + r < N; ++r) source.fetch(next_n + r, next_k);
+        }
         tiles(xp.data() + k0 / kKC * chunk_ints, M, panel.data(), k0 == 0, sums.data());
       }
       for (int64_t m = 0; m < M; ++m) std::copy(sums.data() + m * kNR, sums.data() + m * kNR + live, y + m * N + n0);
@@ -132,7 +147,7 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
     y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
     const pair_sources::Int4Rows rows{packed->data_ptr<uint8_t>(), scale->data_ptr<at::Half>(),
                                       low->data_ptr<at::Half>(), K, a.Kp};
-    product(FromRows<pair_sources::Int4Rows>{rows}, xp, M, N, Kx, y32.data_ptr<float>());
+    product(rows, xp, M, N, Kx, y32.data_ptr<float>());
   } else {
     TORCH_CHECK(w.has_value() && w->dim() == 2 && w->size(1) == K && w->is_contiguous() && w->device().is_cpu(),
                 "w must be a contiguous CPU [N, K]");
@@ -141,12 +156,11 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
     if (w->scalar_type() == at::kChar) {
       TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N,
                   "int8 needs scale [N] float32");
-      product(FromRows<pair_sources::Int8Rows>{{w->data_ptr<int8_t>(), K}}, xp, M, N, Kx, y32.data_ptr<float>());
+      product(pair_sources::Int8Rows{w->data_ptr<int8_t>(), K}, xp, M, N, Kx, y32.data_ptr<float>());
       y32.mul_(*scale);
     } else {
       TORCH_CHECK(w->scalar_type() == at::kBFloat16 && !scale.has_value(), "w must be bf16, or int8 with scale");
-      product(FromRows<pair_sources::Bf16Rows>{{w->data_ptr<at::BFloat16>(), K}}, xp, M, N, Kx,
-              y32.data_ptr<float>());
+      product(pair_sources::Bf16Rows{w->data_ptr<at::BFloat16>(), K}, xp, M, N, Kx, y32.data_ptr<float>());
     }
   }
   if (bias.has_value()) y32.add_(bias->to(at::kFloat));

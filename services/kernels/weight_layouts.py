@@ -7,7 +7,8 @@ again, so:
   bucket), since a weight whose every bucket reads its panels frees its own layout (`LlamaModel._drop_unread_layouts`)
   and between candidates this close the timing's noise, not the kernels, would decide its memory (`preference`);
 - a dense weight never keeps all three: where its buckets chose its rows, oneDNN's copy and the panels, the panels'
-  buckets are chosen again without them (`reads_three_layouts`);
+  buckets are chosen again without them (`reads_three_layouts`); an int8 weight keeps its panels beside its rows only
+  for its one-row bucket (`copy_beside_rows_unneeded`);
 - copies are made at the plan's end for the weights that read them and dropped for the others (`keep_chosen_copies`).
 """
 
@@ -61,6 +62,16 @@ def reads_three_layouts(names: Names) -> bool:
     """Whether a dense weight's choices read its rows, oneDNN's packed copy and its panels: three copies."""
     panels = any(reads_panels(n) for n in names)
     return panels and "onednn.packed" in names and not all(reads_panels(n) or n == "onednn.packed" for n in names)
+
+
+def copy_beside_rows_unneeded(key: tuple, names: Names) -> bool:
+    """Whether a weight-only int8 weight's choices keep its panel copy beside its rows (a decode bucket reads each)
+    though its one-row bucket reads the rows: the copy, the weight's bytes again, is kept beside the rows only for the
+    bucket where it streams faster (one row); elsewhere the panel kernels are within a few percent of the rows'
+    (`native.panels.pairs` is `native.pairs`' product), so those buckets are chosen again without them."""
+    decode = names[:3]
+    return (key[-1] == "int8" and not reads_panels(names[0]) and any(reads_panels(n) for n in decode)
+            and not all(reads_panels(n) for n in decode))
 
 
 def from_panels_alone(key: tuple, names: Names, native: ModuleType | None) -> Names:
