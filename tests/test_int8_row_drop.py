@@ -15,8 +15,8 @@ from services.kernels.linear_candidates import candidates
 from services.kernels.weight_layouts import (
     PREFER_MARGIN,
     Preference,
-    copy_beside_rows_unneeded,
     from_panels_alone,
+    int8_panels_beside_rows,
     preference,
     reads_panels,
 )
@@ -127,29 +127,34 @@ def test_decode_prefers_the_panels_and_prefill_reads_them_only_where_every_decod
     assert from_panels_alone((8, 64, "w8a8"), (*panels, "dequant.linear"), native) == (*panels, "dequant.linear")
 
 
-def test_the_copy_stays_beside_the_rows_only_for_the_one_row_bucket(native, pairs, tmp_path, monkeypatch):
+def test_beside_the_rows_the_copy_serves_the_one_row_bucket_only(native, pairs, tmp_path, monkeypatch):
     key = (8, 64, "int8")
-    assert copy_beside_rows_unneeded(key, ("native.x16", "native.panels", "native.panels.pairs", "dequant.linear"))
-    assert copy_beside_rows_unneeded(key, ("native.digits", "native.4parts", "native.panels.pairs", "dequant.linear"))
-    for names in [("native.panels", "native.4parts", "native.panels.pairs", "dequant.linear"),  # one row reads it
+    for names in [("native.x16", "native.panels", "native.panels.pairs", "dequant.linear"),
+                  ("native.digits", "native.4parts", "native.panels.pairs", "dequant.linear"),
+                  ("native.panels", "native.4parts", "native.panels.pairs", "dequant.linear")]:
+        assert int8_panels_beside_rows(key, names)
+    for names in [("native.panels", "native.4parts", "native.pairs", "dequant.linear"),  # one row only
                   ("native.x16", "native.4parts", "native.pairs", "dequant.linear"),  # no copy
                   ("native.panels", "native.panels", "native.panels.pairs", "dequant.linear")]:  # no rows
-        assert not copy_beside_rows_unneeded(key, names)
+        assert not int8_panels_beside_rows(key, names)
     int4 = ("native", "native.panels", "native.panels", "dequant.linear")
-    assert not copy_beside_rows_unneeded((8, 64, "int4"), int4)
-    # the plan: one row and 2-8 rows timed to the rows, 9-64 to the copy: chosen again without it, no copy made
-    picks = {1: "native.digits", 4: "native.4parts", 32: "native.panels.pairs"}
+    assert not int8_panels_beside_rows((8, 64, "int4"), int4)
+    # the plan: 2-8 rows timed to the rows, 9-64 to the copy's pair tiles: 9-64 chosen again without the copy, which
+    # stays only where the one-row bucket reads it
+    picks = {4: "native.4parts", 32: "native.panels.pairs"}
 
     def fake(fns, device, rows, before=None, after=None, prefer=None):
         found = (n for n in (picks.get(rows), "native.pairs", "dequant.linear", "native") if n in fns)
         return next(found, next(iter(fns)))
 
     monkeypatch.setattr(kernel_plan, "_fastest", fake)
-    monkeypatch.setattr(kernel_plan, "cache_root", lambda: tmp_path)
-    weight = weight_of(48, 96)
-    plan = kernel_plan.KernelPlan.choose([weight], (2, 1, 16), torch.bfloat16, torch.device("cpu"))
-    assert plan.linear_choices[(48, 96, "int8")] == ("native.digits", "native.4parts", "native.pairs", "dequant.linear")
-    assert not INT8_PANELS.holds(weight) and plan.packed_bytes == 0
+    for one, held in (("native.digits", False), ("native.panels", True)):
+        picks[1] = one
+        monkeypatch.setattr(kernel_plan, "cache_root", lambda folder=tmp_path / one: folder)
+        weight = weight_of(48, 96)
+        plan = kernel_plan.KernelPlan.choose([weight], (2, 1, 16), torch.bfloat16, torch.device("cpu"))
+        assert plan.linear_choices[(48, 96, "int8")] == (one, "native.4parts", "native.pairs", "dequant.linear")
+        assert INT8_PANELS.holds(weight) == held and (plan.packed_bytes > 0) == held
 
 
 def test_the_plan_never_times_the_copys_prefill_product(native, pairs, tmp_path, monkeypatch):
@@ -182,7 +187,7 @@ def test_the_engine_drops_the_rows_and_answers_the_same(pairs, tiny_path, tmp_pa
 
     def run(one: str, few: str, batch: str) -> tuple[list, ModelCost, list]:
         choice.update({1: one, 4: few, 32: batch})
-        monkeypatch.setattr(kernel_plan, "cache_root", lambda: tmp_path / one)
+        monkeypatch.setattr(kernel_plan, "cache_root", lambda folder=tmp_path / one: folder)
         engine = Engine(model=str(tiny_path), quantization="int8", dtype="bfloat16", num_threads=1, kernels="auto")
         model = engine.runner.model
         weights = [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]

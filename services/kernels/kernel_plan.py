@@ -34,8 +34,8 @@ from services.kernels.linear_candidates import LinearFn, candidates
 from services.kernels.onednn_packs import fits
 from services.kernels.weight_layouts import (
     Preference,
-    copy_beside_rows_unneeded,
     from_panels_alone,
+    int8_panels_beside_rows,
     keep_chosen_copies,
     preference,
     reads_panels,
@@ -170,10 +170,11 @@ class KernelPlan:
             if weight_key(weight) in choices:
                 continue
             names = [choose_bucket(weight, b) for b in range(len(BUCKETS))]
-            # rows, oneDNN's copy and the panels, or int8's rows and a copy its one-row bucket does not read: the
-            # panels' buckets chosen again without them
-            if reads_three_layouts(names) or copy_beside_rows_unneeded(weight_key(weight), names):
+            if reads_three_layouts(names):  # rows, oneDNN's copy and the panels: the panels' buckets chosen again
                 names = [choose_bucket(weight, b, lambda n: not reads_panels(n)) if reads_panels(name) else name
+                         for b, name in enumerate(names)]
+            elif int8_panels_beside_rows(weight_key(weight), names):  # int8's rows stay: its copy for one row only
+                names = [choose_bucket(weight, b, lambda n: not reads_panels(n)) if b and reads_panels(name) else name
                          for b, name in enumerate(names)]
             choices[weight_key(weight)] = tuple(names)
         if (device.type == "cpu" and any(key[-1] == "w8a8" for key in choices) and not native_build.int8_dot_products()
