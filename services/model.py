@@ -125,8 +125,8 @@ class LlamaModel:
         """Free the own layout of every weight whose chosen kernels all read its copies (kernel_plan.py: int4's and
         weight-only int8's panels; a dense weight's panels or oneDNN's packed copy): an int4 weight then takes 0.625
         bytes a value, not twice that, an int8 one 1 byte, not 2, a bf16 one read only by the panel kernel 2 bytes,
-        not 4. A tied output projection is also the embedding's
-        lookup table: it goes only where its copy is the panels, from which `_embed` gathers the rows."""
+        not 4. A tied output projection is also the embedding's lookup table: it goes only where its copy is the
+        panels, from which `_embed` gathers the rows."""
         owners = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
         tied = self.lm_head is self.embed
         if not tied or BF16_PANELS.holds(self.lm_head):

@@ -7,8 +7,8 @@ and gives int8_digits_linear's product bit for bit. Several rows read the same c
 rows, or through pair_tiled_linear.cpp's bf16 pair tiles (`native.panels.pairs`: its product from the rows, bit for
 bit), and prefill through `dequant.panels` (W's integers from the copy, then dequant.linear's product: bit for bit):
 so the rows are needed only where a row kernel was timed faster. The copy is offered only where every weight's copy
-fits (`onednn_packs.fits`), preferred in the decode buckets (`weight_layouts.preference`), and kept only for the
-weights whose plan chose it.
+fits (`onednn_packs.fits`), preferred in the decode buckets (`weight_layouts.preference`), kept only for the weights
+whose plan chose it, and beside rows that stay only for the one-row bucket (`weight_layouts.int8_panels_beside_rows`).
 
 Legend (int8_panel_linear.cpp's): N rows, K columns, Kp = K rounded up to 64, K4 = Kp / 4, P = ceil(N / 16) panels.
 """
