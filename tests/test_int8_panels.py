@@ -80,7 +80,10 @@ def test_the_candidates_offer_the_panels_for_weight_only_int8_and_bf16_x_where_c
     for max_rows in (8, 64):
         found = candidates("int8", True, 64, max_rows, native, True, torch.bfloat16)
         pairs = {"native.panels.pairs"} if hasattr(native, "int8_panel_pairs_linear") else set()  # AVX512-BF16
-        assert {n for n in found if n.startswith("native.panels")} == {"native.panels", "native.panels.nt", *pairs}
+        bf16 = ({"native.panels.bf16", "native.panels.bf16.nt", "native.panels.bf16.2streams",
+                 "native.panels.bf16.2streams.nt"} if hasattr(native, "int8_panel_bf16_linear") else set())  # and VBMI
+        assert {n for n in found if n.startswith("native.panels")} == {"native.panels", "native.panels.nt", *pairs,
+                                                                        *bf16}
     for fmt, packed, compute, max_rows in (("int8", False, torch.bfloat16, 1), ("int8", True, torch.float32, 1),
                                            ("w8a8", True, torch.bfloat16, 1), ("int8", True, torch.bfloat16, 1 << 62)):
         assert not any(n.startswith("native.panels") for n in candidates(fmt, True, 64, max_rows, native, packed,

@@ -63,6 +63,28 @@ def test_the_pair_tiles_from_the_copy_are_the_rows_product_bit_for_bit(native, p
     assert torch.allclose(got.double(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_the_bf16_pass_is_the_product_up_to_float32_rounding_whatever_its_streams(native, out_features, in_features):
+    if not hasattr(native, "int8_panel_bf16_linear"):
+        pytest.skip("the int8 panels' bf16 pass is built only where the CPU has AVX512-BF16 and VBMI")
+    weight, copy = weight_of(out_features, in_features), panel_copy(weight_of(out_features, in_features))
+    for rows in (1, 2, 3, 4, 5, 8, 9, 20):
+        g = torch.Generator().manual_seed(rows)
+        x = (torch.randn(rows, in_features, generator=g) * torch.randn(rows, 1, generator=g).exp()).bfloat16()
+        bias = torch.randn(out_features, generator=g) if rows % 2 else None
+        got = [native.int8_panel_bf16_linear(x, copy.panels, copy.scale, out_features, bias, streams, nt)
+               for streams in (1, 2) for nt in (False, True)]
+        assert all(torch.equal(got[0], y) for y in got[1:])  # the same sums in the same order
+        exact = (x.double() @ (weight.qweight.double() * weight.scale.double()[:, None]).T
+                 + (0 if bias is None else bias.double()))
+        assert torch.allclose(got[0].double(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
+    with pytest.raises(RuntimeError, match="streams must be 1 or 2"):
+        native.int8_panel_bf16_linear(x, copy.panels, copy.scale, out_features, None, 4, False)
+    found = candidates("int8", True, in_features, 8, native, True, torch.bfloat16)
+    assert torch.equal(found["native.panels.bf16.2streams"](x[:4], weight, bias),
+                       native.int8_panel_bf16_linear(x[:4], copy.panels, copy.scale, out_features, bias, 2, False))
+
+
 def test_bad_calls_are_refused(native, pairs):
     copy = panel_copy(weight_of(20, 64))
     x = torch.randn(3, 64).bfloat16()

@@ -23,6 +23,9 @@ torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& pan
                                 int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
                                 bool non_temporal);
 torch::Tensor int8_panel_dequantize(const torch::Tensor& panels, int64_t N, torch::Tensor out);
+torch::Tensor int8_panel_bf16_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
+                                     int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
+                                     bool non_temporal);
 torch::Tensor int8_panel_pairs_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
                                       int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_panel_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
@@ -142,6 +145,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "W's int8 values (exact, as bf16) from the panel copy of a weight-only int8 weight (int8_panels.py) into out "
         "[N, K]: prefill's dense product without the rows (AVX512-VNNI CPUs)",
         py::arg("panels"), py::arg("out_features"), py::arg("out"));
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  m.def("int8_panel_bf16_linear", &int8_panel_bf16_linear,
+        "y[M, N] = x[M, K] (bf16) @ (W * scale)^T (+ bias[N]) for several rows, W per-channel int8 from its panel copy "
+        "(int8_panels.py) as bf16 pairs in float32 sums; up to 4 rows, each thread's panels read as `streams` (1 or 2) "
+        "parts, prefetched into the caches or past them (non_temporal) (AVX512-BF16 and VBMI CPUs)",
+        py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("out_features"), py::arg("bias"),
+        py::arg("streams") = 1, py::arg("non_temporal") = false);
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   m.def("amx_linear", &amx_linear,

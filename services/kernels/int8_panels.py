@@ -67,6 +67,15 @@ class Int8Panels(WeightCopies[Int8PanelCopy]):
             return native.int8_panel_linear(x, copy.panels, copy.scale, weight.shape[0], bias, streams, non_temporal)
         return int8_panels
 
+    def bf16_linear(self, native: ModuleType, streams: int, non_temporal: bool
+                    ) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+        """Several rows by bf16 pairs from this copy (int8_panel_bf16_linear), up to 4 rows read as `streams` parts."""
+        def int8_panel_bf16(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+            copy = self.copy(weight)
+            return native.int8_panel_bf16_linear(x, copy.panels, copy.scale, weight.shape[0], bias, streams,
+                                                 non_temporal)
+        return int8_panel_bf16
+
     def pairs_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
         """Batches: pair_tiled_linear's product (`native.pairs`) bit for bit, W converted into its bf16 pair panels
         from this copy (int8_panel_pairs_linear) instead of the rows."""

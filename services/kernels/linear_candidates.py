@@ -173,6 +173,10 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
         found.update(_panel_variants(INT8_PANELS, native, max_rows))
         if max_rows > 1 and hasattr(native, "int8_panel_pairs_linear"):  # batches: bf16 pair tiles from the copy
             found["native.panels.pairs"] = INT8_PANELS.pairs_linear(native)
+        if max_rows > 1 and hasattr(native, "int8_panel_bf16_linear"):  # batches: bf16 pairs a pass, 1 or 2 streams
+            for streams in (1, 2):
+                for nt in (False, True):
+                    found[parts_name("native.panels.bf16", streams, nt)] = INT8_PANELS.bf16_linear(native, streams, nt)
     if (weight_format == "int8" and on_cpu and packed and max_rows > 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int8_panel_dequantize")):  # prefill from the panel copy: no rows needed
         found["dequant.panels"] = INT8_PANELS.dequant_linear(native)

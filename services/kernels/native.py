@@ -36,7 +36,7 @@ SOURCES = ("bindings.cpp", "skinny_linear.cpp", "paged_decode_attention.cpp", "i
            "w4a8_linear.cpp", "w4a8_avx2_linear.cpp", "w8a8_linear.cpp", "w8a8_matmul_parts.cpp",
            "decode_chain.cpp", "amx_linear.cpp", "argmax_rows.cpp", "int4_panel_linear.cpp", "int4_panel_dequantize.cpp",
            "bf16_panel_linear.cpp", "int8_panel_linear.cpp", "amx_w8a8_linear.cpp", "int8_digits_linear.cpp",
-           "cache_lines.cpp")
+           "cache_lines.cpp", "int8_panel_bf16_linear.cpp")
 HEADERS = ("vec_load.h", "int4_block.h", "softmax_math.h", "pair_gemm.h", "x16_groups.h", "decode_blocks.h",
            "decode_runs.h", "decode_tokens.h", "decode_pairs.h", "w4a8_panels.h", "decode_chain.h", "thread_chunks.h",
            "glue_lanes.h", "row_rounding.h", "int8_dot_tiles.h", "int8_product_args.h", "x_digits.h",

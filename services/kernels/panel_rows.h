@@ -25,7 +25,7 @@ namespace panel_rows {
 
 constexpr int64_t kPanel = 16, kTile = 8;
 
-template <typename Dots, int PairRows, int Tile>
+template <typename Dots, int PairRows, int Tile, int StreamRows = 0>
 struct Rows {
   const Dots& dots;
   const float* bias;
@@ -58,6 +58,19 @@ struct Rows {
       });
   }
 
+  // Up to StreamRows rows of x: each thread's panels read as two streams (`per` apart), each panel once.
+  template <int Locality>
+  void two_streams(int64_t p0, int64_t p1) const {
+    with_count(M, [&](auto rows) {
+      constexpr int MT = decltype(rows)::value;
+      if constexpr (MT <= StreamRows) {
+        const int64_t per = (p1 - p0) / 2;
+        for (int64_t p = p0; p < p0 + per; ++p) panel<MT, 2, Locality>(p, per, 0);
+        for (int64_t p = p0 + 2 * per; p < p1; ++p) panel<MT, 1, Locality>(p, 1, 0);
+      }
+    });
+  }
+
   template <int Locality>
   void rows(int64_t p0, int64_t p1) const {
     int64_t p = p0;
@@ -81,15 +94,17 @@ inline torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_
   return bias->to(at::kFloat).contiguous();
 }
 
-// y = the product of `dots` for all M rows of x, its panels shared among the threads.
-template <int PairRows, int Tile = kTile, typename Dots>
+// y = the product of `dots` for all M rows of x, its panels shared among the threads; `streams` 2 with up to StreamRows
+// rows: each thread's panels as two streams (a kernel whose registers hold 2 StreamRows rows' sums).
+template <int PairRows, int Tile = kTile, int StreamRows = 0, typename Dots>
 void run(const Dots& dots, const torch::Tensor& bias, int64_t M, int64_t N, at::BFloat16* y, int64_t streams,
          bool non_temporal) {
-  const Rows<Dots, PairRows, Tile> rows{dots, bias.defined() ? bias.data_ptr<float>() : nullptr, M, N, y};
+  const Rows<Dots, PairRows, Tile, StreamRows> rows{dots, bias.defined() ? bias.data_ptr<float>() : nullptr, M, N, y};
   with_prefetch_locality(non_temporal, [&](auto locality) {
     constexpr int L = decltype(locality)::value;
     parallel_chunks((N + kPanel - 1) / kPanel, [&](int64_t p0, int64_t p1) {
-      if (M > 1) rows.template rows<L>(p0, p1);
+      if (M > 1 && M <= StreamRows && streams == 2) rows.template two_streams<L>(p0, p1);
+      else if (M > 1) rows.template rows<L>(p0, p1);
       else if (streams == 4) rows.template one_row<4, L>(p0, p1);
       else if (streams == 2) rows.template one_row<2, L>(p0, p1);
       else rows.template one_row<1, L>(p0, p1);
