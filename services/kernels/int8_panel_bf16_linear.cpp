@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "int8_panel_copy.h"
 #include "panel_rows.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -107,14 +108,7 @@ torch::Tensor int8_panel_bf16_linear(const torch::Tensor& x, const torch::Tensor
   panel_rows::check_call(x, streams);
   TORCH_CHECK(streams <= 2, "streams must be 1 or 2, got ", streams);
   const int64_t M = x.size(0), K = x.size(1), K4 = (K + kStep - 1) / kStep * kStep / 4;
-  const int64_t P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(N > 0, "W must have rows");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous()
-              && panels.device().is_cpu() && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == kPanel,
-              "panels must be a contiguous CPU int32 [", P, ", ", K4, ", 16] for ", N, " x ", K, " W, got ",
-              panels.sizes());
-  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.device().is_cpu()
-              && scale.size(0) == P * kPanel, "scale must be a contiguous CPU float32 [", P * kPanel, "]");
+  int8_panels::check_copy(panels, &scale, N, K);
   const torch::Tensor bias32 = panel_rows::float_bias(bias, N);
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;

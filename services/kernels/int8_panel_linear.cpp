@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_panel_copy.h"
 #include "panel_rows.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -129,15 +130,8 @@ torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& pan
                                 bool non_temporal) {
   panel_rows::check_call(x, streams);
   const int64_t M = x.size(0), K = x.size(1), K4 = (K + kStep - 1) / kStep * kStep / 4;
-  const int64_t P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(N > 0, "W must have rows");
   TORCH_CHECK(K <= 65536, "K must be at most 65,536 (int32 dots), got ", K);
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous()
-              && panels.device().is_cpu() && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == kPanel,
-              "panels must be a contiguous CPU int32 [", P, ", ", K4, ", 16] for ", N, " x ", K, " W, got ",
-              panels.sizes());
-  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.device().is_cpu()
-              && scale.size(0) == P * kPanel, "scale must be a contiguous CPU float32 [", P * kPanel, "]");
+  int8_panels::check_copy(panels, &scale, N, K);
   const torch::Tensor bias32 = panel_rows::float_bias(bias, N);
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -162,11 +156,8 @@ torch::Tensor int8_panel_dequantize(const torch::Tensor& panels, int64_t N, torc
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.device().is_cpu() &&
                   out.size(0) == N && N > 0 && out.size(1) > 0,
               "out must be a contiguous CPU bfloat16 [N, K]");
-  const int64_t K = out.size(1), K4 = (K + kStep - 1) / kStep * kStep / 4, P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous()
-              && panels.device().is_cpu() && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == kPanel,
-              "panels must be a contiguous CPU int32 [", P, ", ", K4, ", 16] for ", N, " x ", K, " W, got ",
-              panels.sizes());
+  const int64_t K = out.size(1), K4 = int8_panels::quads(K), P = (N + kPanel - 1) / kPanel;
+  int8_panels::check_copy(panels, nullptr, N, K);
   const int32_t* from = panels.data_ptr<int32_t>();
   at::BFloat16* to = out.data_ptr<at::BFloat16>();
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));

@@ -42,7 +42,7 @@ HEADERS = ("vec_load.h", "int4_block.h", "softmax_math.h", "pair_gemm.h", "x16_g
            "glue_lanes.h", "row_rounding.h", "int8_dot_tiles.h", "int8_product_args.h", "x_digits.h",
            "w8a8_x_panels.h", "transpose16.h", "tile_state.h", "decode_tiles.h", "amx_rows.h", "prefill_tiles.h",
            "prefill_softmax.h", "rows_ahead.h", "tile_chunks.h", "skinny_rows.h", "int4_slot_x.h", "count_dispatch.h",
-           "int4_panel_octets.h", "panel_rows.h", "pair_sources.h")
+           "int4_panel_octets.h", "panel_rows.h", "pair_sources.h", "int8_panel_copy.h")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"  # "0": never compile or load them
 # A -march target instead of the host's own ("native"): an older CPU's paths run and measured on a newer one (e.g.
 # znver3 on an AVX-512 host builds the AVX2 kernels). A developer's knob: a target the CPU cannot run stops the

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "int4_block.h"
+#include "int8_panel_copy.h"
 #include "pair_sources.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -174,13 +175,8 @@ torch::Tensor int8_panel_pairs_linear(const torch::Tensor& x, const torch::Tenso
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a CPU bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), Kx = (K + kKC - 1) / kKC * kKC, K4 = (K + 63) / 64 * 16;
   const int64_t P = (N + 15) / 16;
-  TORCH_CHECK(N > 0 && K > 0, "W must have rows and columns");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous()
-              && panels.device().is_cpu() && panels.size(0) == P && panels.size(1) == K4 && panels.size(2) == 16,
-              "panels must be a contiguous CPU int32 [", P, ", ", K4, ", 16] for ", N, " x ", K, " W, got ",
-              panels.sizes());
-  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.device().is_cpu()
-              && scale.size(0) == P * 16, "scale must be a contiguous CPU float32 [", P * 16, "]");
+  TORCH_CHECK(K > 0, "W must have columns");
+  int8_panels::check_copy(panels, &scale, N, K);
   const torch::Tensor xc = x.contiguous();
   const std::vector<int32_t> xp = pack_x(xc.data_ptr<at::BFloat16>(), M, K, Kx);
   torch::Tensor y32 = torch::empty({M, N}, x.options().dtype(at::kFloat));
