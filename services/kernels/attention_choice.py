@@ -35,7 +35,7 @@ def native_prefill(module: ModuleType) -> PrefillKernel:
 def choose(native: ModuleType, cache, shape: tuple[int, int, int], dtype: torch.dtype, mode: str, timer: Timer
            ) -> tuple[str, str, int]:
     """("torch" | "native" for decode, the same for prefill, how many were measured now) for attention
-    of `shape` (query heads, kv heads, head dim) in `dtype`; cache: the plan's ChoiceCache."""
+    of `shape` (query heads, kv heads, head dim) in `dtype`; cache: the plan's ChoiceCache (choice_cache.py)."""
     if mode == "native":  # fixed: engines compared token by token compute alike
         return "native", "native", 0
     shape_name = "H{} K{} Dh{} {}".format(*shape, dtype)

@@ -11,9 +11,7 @@ Why measure instead of a rule: the same kernel wins by 2x on one CPU and loses b
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from services.engine_config import KERNEL_MODES
 from services.int4_weight import Int4Weight
 from services.kernels import attention_choice
 from services.kernels import native as native_build
+from services.kernels.choice_cache import ChoiceCache
 from services.kernels.cold_cache import ColdCache
 from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.linear_candidates import LinearFn, candidates
@@ -126,7 +125,7 @@ class KernelPlan:
         if mode not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
         native = native_build.load() if device.type == "cpu" and mode != "torch" else None
-        cache = ChoiceCache.open(native)
+        cache = ChoiceCache.open(native, cache_root() / "kernels" / "choices.json", TIMING)
         started, cpu_started, measured = time.perf_counter(), time.process_time(), 0
         dense = {id(w): w for w in weights if isinstance(w, torch.Tensor)}
         # the weights a panel copy can serve: int4 (not W4A8Weight: its own kernel reads panels) and weight-only int8
@@ -238,50 +237,3 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rows: i
     fastest = min(best, key=best.get)
     preferred = [n for n in best if prefer is not None and prefer.names(n) and best[n] <= prefer.margin * best[fastest]]
     return min(preferred, key=best.get) if preferred else fastest
-
-
-@dataclass
-class ChoiceCache:
-    """Choices measured on this host before, in `<cache>/kernels/choices.json`, keyed by the host."""
-
-    path: os.PathLike
-    host: str
-    entries: dict[str, str]
-    dirty: bool = False
-
-    @classmethod
-    def open(cls, native: ModuleType | None) -> ChoiceCache:
-        host = (f"{native_build.cpu_model()} | torch {torch.__version__} | native "
-                f"{native_build.build_key() if native else 'off'} | {torch.get_num_threads()} threads | timing {TIMING}")
-        path = cache_root() / "kernels" / "choices.json"
-        return cls(path, host, _read_json(path).get(host, {}))
-
-    def get(self, entry: str, found: dict) -> str | None:
-        name = self.entries.get(entry)
-        return name if name in found else None
-
-    def put(self, entry: str, name: str) -> int:
-        if self.entries.get(entry) == name:
-            return 0
-        self.entries[entry], self.dirty = name, True
-        return 1
-
-    def save(self) -> None:
-        if not self.dirty:
-            return
-        everything = _read_json(self.path)  # other hosts' and other processes' entries stay
-        everything.setdefault(self.host, {}).update(self.entries)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(everything, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old file or the new one
-
-
-def _read_json(path: os.PathLike) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
