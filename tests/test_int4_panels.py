@@ -94,16 +94,20 @@ def test_bad_calls_are_refused(panels_kernel):
             panels_kernel(x, *copy, 20, None, streams)
 
 
-def test_offered_for_bf16_x_and_few_rows_where_copies_fit(panels_kernel):
+def test_offered_for_bf16_x_where_copies_fit(panels_kernel):
     native = load()
     one_row = {parts_name("native.panels", s, nt) for s, nt in PANEL_VARIANTS}
     assert len(one_row) == 6 and one_row <= set(candidates("int4", True, 64, 1, native, True, torch.bfloat16))
     assert {"native.panels", "native.panels.nt"} == {
         n for n in candidates("int4", True, 64, 8, native, True, torch.bfloat16) if n.startswith("native.panels")}
     for not_offered in (candidates("int4", True, 64, 1, native, False, torch.bfloat16),  # copies would not fit
-                        candidates("int4", True, 64, 1, native, True, torch.float32),  # float32 x
-                        candidates("int4", True, 64, 1 << 62, native, True, torch.bfloat16)):  # prefill
+                        candidates("int4", True, 64, 1, native, True, torch.float32)):  # float32 x
         assert not any(n.startswith("native.panels") for n in not_offered)
+    tiles = {"native.panels.tiles"} if hasattr(native, "int4_panel_tiled_linear") else set()  # AVX512-BF16
+    for max_rows in (64, 1 << 62):  # many rows: the tiles on the copy (prefill: no other panel kernel)
+        found = {n for n in candidates("int4", True, 64, max_rows, native, True, torch.bfloat16)
+                 if n.startswith("native.panels")}
+        assert found == ({"native.panels", "native.panels.nt", *tiles} if max_rows == 64 else tiles)
 
 
 def test_the_plan_keeps_a_copy_only_where_it_chose_the_panels(panels_kernel, tmp_path, monkeypatch):

@@ -82,12 +82,16 @@ def test_the_candidates_offer_the_panels_for_weight_only_int8_and_bf16_x_where_c
         pairs = {"native.panels.pairs"} if hasattr(native, "int8_panel_pairs_linear") else set()  # AVX512-BF16
         bf16 = ({"native.panels.bf16", "native.panels.bf16.nt", "native.panels.bf16.2streams",
                  "native.panels.bf16.2streams.nt"} if hasattr(native, "int8_panel_bf16_linear") else set())  # and VBMI
+        tiles = {"native.panels.tiles"} if max_rows > 8 and hasattr(native, "int8_panel_tiled_linear") else set()
         assert {n for n in found if n.startswith("native.panels")} == {"native.panels", "native.panels.nt", *pairs,
-                                                                        *bf16}
+                                                                        *bf16, *tiles}
     for fmt, packed, compute, max_rows in (("int8", False, torch.bfloat16, 1), ("int8", True, torch.float32, 1),
-                                           ("w8a8", True, torch.bfloat16, 1), ("int8", True, torch.bfloat16, 1 << 62)):
+                                           ("w8a8", True, torch.bfloat16, 1)):
         assert not any(n.startswith("native.panels") for n in candidates(fmt, True, 64, max_rows, native, packed,
                                                                           compute))
+    prefill = candidates("int8", True, 64, 1 << 62, native, True, torch.bfloat16)  # prefill: the tiles alone
+    assert {n for n in prefill if n.startswith("native.panels")} == (
+        {"native.panels.tiles"} if hasattr(native, "int8_panel_tiled_linear") else set())
 
 
 def test_the_plan_keeps_the_copy_only_where_it_chose_the_panels(product, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16_panel_dots.h"
 #include "panel_rows.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -29,40 +30,6 @@
 namespace {
 
 using panel_rows::kPanel;
-constexpr int64_t kAheadBytes = 1024;  // prefetch distance in all (each of S streams: 1 / S of it)
-
-// out[(s * MT + m) * 16 + r] = x row m . W row 16 (p + s * apart) + r, for S panels `apart` apart and MT rows of x
-// (x: bf16 pairs as int32 [MT, K2]). Each row's dots run as C chains (entry j feeds chain j % 4 % C): enough chains
-// in all to hide vdpbf16ps' latency, few enough registers (S MT C <= 16) to fit. C depends on MT alone, so an output
-// is the same sum in the same order whichever S (the streams of one row, a panel pair or a lone panel) computed it.
-template <int MT, int S, int Locality>
-void panel_dots(const int32_t* panels, int64_t p, int64_t apart, const int32_t* x, int64_t K2, float* out) {
-  constexpr int C = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
-  static_assert(S * MT * C <= 16, "accumulators past the registers");
-  __m512 acc[S][MT][C];
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < MT; ++m)
-      for (int c = 0; c < C; ++c) acc[s][m][c] = _mm512_setzero_ps();
-  const int32_t* panel[S];
-  for (int s = 0; s < S; ++s) panel[s] = panels + (p + s * apart) * K2 * kPanel;
-  for (int64_t j0 = 0; j0 < K2; j0 += 4)  // K2 is a multiple of 4
-    for (int u = 0; u < 4; ++u)
-      for (int s = 0; s < S; ++s) {
-        const int32_t* at = panel[s] + (j0 + u) * kPanel;
-        __builtin_prefetch(reinterpret_cast<const char*>(at) + kAheadBytes / S, 0, Locality);
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(at);
-        for (int m = 0; m < MT; ++m)
-          acc[s][m][u % C] = _mm512_dpbf16_ps(acc[s][m][u % C], w, (__m512bh)_mm512_set1_epi32(x[m * K2 + j0 + u]));
-      }
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < MT; ++m) {
-      __m512 sum = acc[s][m][0];  // C = 4: pairs first
-      if constexpr (C == 4)
-        sum = _mm512_add_ps(_mm512_add_ps(sum, acc[s][m][1]), _mm512_add_ps(acc[s][m][2], acc[s][m][3]));
-      if constexpr (C == 2) sum = _mm512_add_ps(sum, acc[s][m][1]);
-      _mm512_storeu_ps(out + (s * MT + m) * kPanel, sum);
-    }
-}
 
 struct Dots {
   const int32_t* panels;
@@ -71,7 +38,7 @@ struct Dots {
 
   template <int MT, int S, int Locality>
   void run(int64_t p, int64_t apart, int64_t m0, float* sums) const {
-    panel_dots<MT, S, Locality>(panels, p, apart, x + m0 * K2, K2, sums);
+    bf16_panel_dots::panel_dots<MT, S, Locality>(panels, p, apart, x + m0 * K2, K2, sums);
   }
 };
 

@@ -28,6 +28,10 @@ torch::Tensor int8_panel_bf16_linear(const torch::Tensor& x, const torch::Tensor
                                      bool non_temporal);
 torch::Tensor int8_panel_pairs_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
                                       int64_t N, const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_panel_tiled_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
+                                      int64_t N, const c10::optional<torch::Tensor>& bias);
+torch::Tensor int4_panel_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                                      const torch::Tensor& low, int64_t N, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_panel_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                                     int64_t N, torch::Tensor out);
 torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -132,6 +136,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pair_tiled_linear's product for a weight-only int8 weight, bit for bit, from its panel copy (int8_panels.py: "
         "panels, scale) instead of its rows (AVX512-BF16 CPUs)",
         py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("out_features"), py::arg("bias"));
+  m.def("int8_panel_tiled_linear", &int8_panel_tiled_linear,
+        "pair_tiled_linear's product for a weight-only int8 weight, bit for bit, from its panel copy (int8_panels.py: "
+        "panels, scale) for many rows: two panels converted into bf16 pairs a pass, the bf16 panels' register tiles "
+        "over every row (AVX512-BF16 CPUs)",
+        py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("out_features"), py::arg("bias"));
+  m.def("int4_panel_tiled_linear", &int4_panel_tiled_linear,
+        "pair_tiled_linear's product for a group-wise int4 weight, bit for bit, from its panel copy (int4_panels.py: "
+        "packed, scale, low) for many rows, as int8_panel_tiled_linear (AVX512-BF16 CPUs)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("low"), py::arg("out_features"), py::arg("bias"));
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   m.def("int8_panel_linear", &int8_panel_linear,

@@ -2,10 +2,10 @@
 kernel plan chose that kernel.
 
 Why a copy: the panel kernel reads an int4 weight's bytes 1.1-1.6x faster at one row of bf16 x than the kernels of
-its row layout (AMD EPYC Zen 4, 2 threads: docs/kernels.md), but the row layout is what the batch, tile and prefill
-kernels read (int4_block.h). So, as with oneDNN's packed copies (onednn_packs.py), a weight the plan gives to the
-panels keeps both: the copy costs the weight's bytes again (0.625 a weight), offered only where every int4 weight's
-copy fits (`fits`) and kept only for the weights whose plan chose it.
+its row layout (AMD EPYC Zen 4, 2 threads: docs/kernels.md). The copy costs the weight's bytes again (0.625 a
+weight), offered only where every int4 weight's copy fits (`fits`) and kept only for the weights whose plan chose it;
+where every chosen kernel reads it (the panels' passes for batches, panel_tiled_linear.cpp's tiles or
+int4_panel_dequantize.cpp for prefill) the row layout goes (`Int4Weight.without_rows`).
 
 Legend (int4_panel_linear.cpp's): N rows, Kp columns padded to whole 64-column blocks, P = ceil(N / 16) panels,
 O = Kp / 8 column octets, G = 32.
@@ -84,6 +84,13 @@ class Int4Panels(WeightCopies[PanelCopy]):
         def int4_panels(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
             return native.int4_panel_linear(x, *self.copy(weight), weight.shape[0], bias, streams, non_temporal)
         return int4_panels
+
+    def tiled_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]:
+        """Many rows (prefill, large batches): `native.pairs`' product bit for bit, two panels dequantized into bf16
+        pairs a pass and the bf16 panels' register tiles over every row (panel_tiled_linear.cpp)."""
+        def int4_panel_tiles(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+            return native.int4_panel_tiled_linear(x, *self.copy(weight), weight.shape[0], bias)
+        return int4_panel_tiles
 
     def dequant_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]:
         """Many rows (prefill): W dequantized whole from the panel copy (int4_panel_dequantize.cpp), then one dense bf16

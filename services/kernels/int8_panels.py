@@ -5,8 +5,9 @@ Why a copy: at one row of bf16 x the panel kernel (int8_panel_linear.cpp) stream
 than its row layout's kernels (AMD EPYC Zen 4, 2 threads, distinct `1b` weights cycled from memory, docs/kernels.md),
 and gives int8_digits_linear's product bit for bit. Several rows read the same copy through that kernel's passes of 4
 rows, or through pair_tiled_linear.cpp's bf16 pair tiles (`native.panels.pairs`: its product from the rows, bit for
-bit), and prefill through `dequant.panels` (W's integers from the copy, then dequant.linear's product: bit for bit):
-so the rows are needed only where a row kernel was timed faster. The copy is offered only where every weight's copy
+bit), and prefill through `native.panels.tiles` (panel_tiled_linear.cpp: the pair tiles' product bit for bit, at the
+bf16 panels' speed) or `dequant.panels` (W's integers from the copy, then dequant.linear's product: bit for bit): so
+the rows are needed only where a row kernel was timed faster. The copy is offered only where every weight's copy
 fits (`onednn_packs.fits`), preferred in the decode buckets (`weight_layouts.preference`), kept only for the weights
 whose plan chose it, and beside rows that stay only for the one-row bucket (`weight_layouts.int8_panels_beside_rows`).
 
@@ -83,6 +84,14 @@ class Int8Panels(WeightCopies[Int8PanelCopy]):
             copy = self.copy(weight)
             return native.int8_panel_pairs_linear(x, copy.panels, copy.scale, weight.shape[0], bias)
         return int8_panel_pairs
+
+    def tiled_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+        """Many rows (prefill, large batches): `native.pairs`' product bit for bit, two panels converted into bf16 pairs
+        a pass and the bf16 panels' register tiles over every row (panel_tiled_linear.cpp)."""
+        def int8_panel_tiles(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+            copy = self.copy(weight)
+            return native.int8_panel_tiled_linear(x, copy.panels, copy.scale, weight.shape[0], bias)
+        return int8_panel_tiles
 
     def dequant_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
         """Many rows (prefill): W's integers from this copy (int8_panel_dequantize), then `dequant.linear`'s dense bf16

@@ -36,6 +36,7 @@ from services.kernels.weight_layouts import (
     from_panels_alone,
     int8_panels_beside_rows,
     keep_chosen_copies,
+    panels_for_prefill_alone,
     preference,
     reads_panels,
     reads_three_layouts,
@@ -172,9 +173,11 @@ class KernelPlan:
             if reads_three_layouts(names):  # rows, oneDNN's copy and the panels: the panels' buckets chosen again
                 names = [choose_bucket(weight, b, lambda n: not reads_panels(n)) if reads_panels(name) else name
                          for b, name in enumerate(names)]
-            elif int8_panels_beside_rows(weight_key(weight), names):  # int8's rows stay: its copy for one row only
-                names = [choose_bucket(weight, b, lambda n: not reads_panels(n)) if b and reads_panels(name) else name
-                         for b, name in enumerate(names)]
+            elif int8_panels_beside_rows(weight_key(weight), names):  # int8's rows stay: the copy for one row, prefill
+                names = [choose_bucket(weight, b, lambda n: not reads_panels(n)) if b in (1, 2) and reads_panels(name)
+                         else name for b, name in enumerate(names)]
+            if panels_for_prefill_alone(weight_key(weight), names):  # no copy held for a few percent of prefill
+                names[-1] = choose_bucket(weight, len(BUCKETS) - 1, lambda n: not reads_panels(n))
             choices[weight_key(weight)] = tuple(names)
         if (device.type == "cpu" and any(key[-1] == "w8a8" for key in choices) and not native_build.int8_dot_products()
                 and not hasattr(native, "w8a8_linear")):

@@ -168,6 +168,9 @@ def candidates(weight_format: str, on_cpu: bool, in_features: int, max_rows: int
     if (weight_format == "int4" and on_cpu and packed and max_rows > 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int4_panel_dequantize")):  # prefill from the panel copy: no row layout needed
         found["dequant.panels"] = INT4_PANELS.dequant_linear(native)
+    if (weight_format in ("int4", "int8") and on_cpu and packed and max_rows > 8 and compute in (None, torch.bfloat16)
+            and hasattr(native, f"{weight_format}_panel_tiled_linear")):  # many rows: the bf16 panels' tiles, converted
+        found["native.panels.tiles"] = (INT4_PANELS if weight_format == "int4" else INT8_PANELS).tiled_linear(native)
     if (weight_format == "int8" and on_cpu and packed and max_rows <= 64 and compute in (None, torch.bfloat16)
             and hasattr(native, "int8_panel_linear")):  # a copy of W in 16-row panels (int8_panels.py), bf16 x
         found.update(_panel_variants(INT8_PANELS, native, max_rows))

@@ -36,13 +36,13 @@ SOURCES = ("bindings.cpp", "skinny_linear.cpp", "paged_decode_attention.cpp", "i
            "w4a8_linear.cpp", "w4a8_avx2_linear.cpp", "w8a8_linear.cpp", "w8a8_matmul_parts.cpp",
            "decode_chain.cpp", "amx_linear.cpp", "argmax_rows.cpp", "int4_panel_linear.cpp", "int4_panel_dequantize.cpp",
            "bf16_panel_linear.cpp", "int8_panel_linear.cpp", "amx_w8a8_linear.cpp", "int8_digits_linear.cpp",
-           "cache_lines.cpp", "int8_panel_bf16_linear.cpp")
+           "cache_lines.cpp", "int8_panel_bf16_linear.cpp", "panel_tiled_linear.cpp")
 HEADERS = ("vec_load.h", "int4_block.h", "softmax_math.h", "pair_gemm.h", "x16_groups.h", "decode_blocks.h",
            "decode_runs.h", "decode_tokens.h", "decode_pairs.h", "w4a8_panels.h", "decode_chain.h", "thread_chunks.h",
            "glue_lanes.h", "row_rounding.h", "int8_dot_tiles.h", "int8_product_args.h", "x_digits.h",
            "w8a8_x_panels.h", "transpose16.h", "tile_state.h", "decode_tiles.h", "amx_rows.h", "prefill_tiles.h",
            "prefill_softmax.h", "rows_ahead.h", "tile_chunks.h", "skinny_rows.h", "int4_slot_x.h", "count_dispatch.h",
-           "int4_panel_octets.h", "panel_rows.h", "pair_sources.h", "int8_panel_copy.h")
+           "int4_panel_octets.h", "panel_rows.h", "pair_sources.h", "int8_panel_copy.h", "bf16_panel_dots.h")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"  # "0": never compile or load them
 # A -march target instead of the host's own ("native"): an older CPU's paths run and measured on a newer one (e.g.
 # znver3 on an AVX-512 host builds the AVX2 kernels). A developer's knob: a target the CPU cannot run stops the

@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "int4_block.h"
+#include "int8_panel_copy.h"
 #include "transpose16.h"
 
 namespace pair_sources {
@@ -100,23 +101,11 @@ struct Int8PanelPairs {
   int64_t P, K4;
 
   void fill(int64_t n0, int64_t k0, int32_t* panel) const {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // w + 128 -> w, as signed bytes
-    // cvtne2ps_pbh(rows 4-7, rows 0-3) holds row r's quad as the pairs (c0, c1), (c2, c3) in lanes 2r, 2r + 1
-    const __m512i first = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(1));
     for (int64_t h = 0; h < 2; ++h)
       for (int64_t q = 0; q < kKC / 4; ++q) {
         const int64_t p = n0 / 16 + h, j = k0 / 4 + q;
         __m512i pair0 = _mm512_setzero_si512(), pair1 = _mm512_setzero_si512();
-        if (p < P && j < K4) {
-          const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(panels + (p * K4 + j) * 16), flip);
-          __m512 f[4];  // rows 4i .. 4i + 3's quads, exact (|w| <= 127 fits bf16's 8 bits)
-          #pragma GCC unroll 4  // extracti32x4 takes an immediate
-          for (int i = 0; i < 4; ++i) f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w, i)));
-          const __m512i low = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), high = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-          pair0 = _mm512_permutex2var_epi32(low, first, high);
-          pair1 = _mm512_permutex2var_epi32(low, second, high);
-        }
+        if (p < P && j < K4) int8_panels::entry_pairs(panels + (p * K4 + j) * 16, pair0, pair1);
         _mm512_storeu_si512(panel + 2 * q * kNR + 16 * h, pair0);
         _mm512_storeu_si512(panel + (2 * q + 1) * kNR + 16 * h, pair1);
       }
