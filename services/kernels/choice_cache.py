@@ -25,8 +25,9 @@ class ChoiceCache:
     def open(cls, native: ModuleType | None, path: os.PathLike, timing: int) -> ChoiceCache:
         """This host's entries in `path`: the host is the CPU model, torch, the native build (or its absence), the
         thread count and the plan's timing method (`timing`), so a change of any of them measures again."""
-        host = (f"{native_build.cpu_model()} | torch {torch.__version__} | native "
-                f"{native_build.build_key() if native else 'off'} | {torch.get_num_threads()} threads | timing {timing}")
+        build = native_build.build_key() if native else "off"
+        host = (f"{native_build.cpu_model()} | torch {torch.__version__} | native {build} | "
+                f"{torch.get_num_threads()} threads | timing {timing}")
         return cls(path, host, _read_json(path).get(host, {}))
 
     def get(self, entry: str, found: dict) -> str | None:

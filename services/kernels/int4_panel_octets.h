@@ -1,6 +1,6 @@
 // The int4 panel copy (services/kernels/int4_panels.py) as its kernels read it: int4_panel_linear.cpp (products),
-// int4_panel_dequantize.cpp (W for prefill) and panel_tiled_linear.cpp (many rows). Legend: N rows, Kp columns padded to whole 64-column blocks,
-// P = ceil(N / 16) panels, O = Kp / 8 column octets, G = 32.
+// int4_panel_dequantize.cpp (W for prefill) and panel_tiled_linear.cpp (many rows). Legend: N rows, Kp columns padded
+// to whole 64-column blocks, P = ceil(N / 16) panels, O = Kp / 8 column octets, G = 32.
 //   packed: [P, O, 64] uint8, scale / low: [P, Kp / G, 16] float16
 #pragma once
 

@@ -25,6 +25,8 @@ from services.kernels.dequant_buffer import DEQUANT_BUFFER
 from services.kernels.weight_copies import WeightCopies
 
 PANEL = 16
+# linear_candidates.LinearFn for this format
+Int4LinearFn = Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]
 
 
 def _octet_order() -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,21 +80,20 @@ class Int4Panels(WeightCopies[PanelCopy]):
     def __init__(self) -> None:
         super().__init__(panel_copy, _int4_key)
 
-    def linear(self, native: ModuleType, streams: int, non_temporal: bool
-               ) -> Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]:
+    def linear(self, native: ModuleType, streams: int, non_temporal: bool) -> Int4LinearFn:
         """The LinearFn of int4_panel_linear reading W as `streams` parts, prefetched past the caches or not."""
         def int4_panels(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
             return native.int4_panel_linear(x, *self.copy(weight), weight.shape[0], bias, streams, non_temporal)
         return int4_panels
 
-    def tiled_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]:
+    def tiled_linear(self, native: ModuleType) -> Int4LinearFn:
         """Many rows (prefill, large batches): `native.pairs`' product bit for bit, two panels dequantized into bf16
         pairs a pass and the bf16 panels' register tiles over every row (panel_tiled_linear.cpp)."""
         def int4_panel_tiles(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
             return native.int4_panel_tiled_linear(x, *self.copy(weight), weight.shape[0], bias)
         return int4_panel_tiles
 
-    def dequant_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int4Weight, torch.Tensor | None], torch.Tensor]:
+    def dequant_linear(self, native: ModuleType) -> Int4LinearFn:
         """Many rows (prefill): W dequantized whole from the panel copy (int4_panel_dequantize.cpp), then one dense bf16
         product. Bit for bit `dequant.linear` (the same W from the row layout, the same product), so a weight whose
         decode reads the panels can drop its row layout (`Int4Weight.without_rows`)."""

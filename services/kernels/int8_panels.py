@@ -28,6 +28,8 @@ from services.kernels.weight_copies import WeightCopies
 from services.quantized_weight import Int8Weight
 
 PANEL = 16
+# linear_candidates.LinearFn for this format
+Int8LinearFn = Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]
 
 
 class Int8PanelCopy(NamedTuple):
@@ -59,8 +61,7 @@ class Int8Panels(WeightCopies[Int8PanelCopy]):
     def __init__(self) -> None:
         super().__init__(panel_copy, _int8_key)
 
-    def linear(self, native: ModuleType, streams: int, non_temporal: bool
-               ) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+    def linear(self, native: ModuleType, streams: int, non_temporal: bool) -> Int8LinearFn:
         """The LinearFn of int8_panel_linear; for one x row each thread reads its panels as `streams` parts,
         prefetched past the caches or not."""
         def int8_panels(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,8 +69,7 @@ class Int8Panels(WeightCopies[Int8PanelCopy]):
             return native.int8_panel_linear(x, copy.panels, copy.scale, weight.shape[0], bias, streams, non_temporal)
         return int8_panels
 
-    def bf16_linear(self, native: ModuleType, streams: int, non_temporal: bool
-                    ) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+    def bf16_linear(self, native: ModuleType, streams: int, non_temporal: bool) -> Int8LinearFn:
         """Several rows by bf16 pairs from this copy (int8_panel_bf16_linear), up to 4 rows read as `streams` parts."""
         def int8_panel_bf16(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
             copy = self.copy(weight)
@@ -77,7 +77,7 @@ class Int8Panels(WeightCopies[Int8PanelCopy]):
                                                  non_temporal)
         return int8_panel_bf16
 
-    def pairs_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+    def pairs_linear(self, native: ModuleType) -> Int8LinearFn:
         """Batches: pair_tiled_linear's product (`native.pairs`) bit for bit, W converted into its bf16 pair panels
         from this copy (int8_panel_pairs_linear) instead of the rows."""
         def int8_panel_pairs(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,7 +85,7 @@ class Int8Panels(WeightCopies[Int8PanelCopy]):
             return native.int8_panel_pairs_linear(x, copy.panels, copy.scale, weight.shape[0], bias)
         return int8_panel_pairs
 
-    def tiled_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+    def tiled_linear(self, native: ModuleType) -> Int8LinearFn:
         """Many rows (prefill, large batches): `native.pairs`' product bit for bit, two panels converted into bf16 pairs
         a pass and the bf16 panels' register tiles over every row (panel_tiled_linear.cpp)."""
         def int8_panel_tiles(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -93,7 +93,7 @@ class Int8Panels(WeightCopies[Int8PanelCopy]):
             return native.int8_panel_tiled_linear(x, copy.panels, copy.scale, weight.shape[0], bias)
         return int8_panel_tiles
 
-    def dequant_linear(self, native: ModuleType) -> Callable[[torch.Tensor, Int8Weight, torch.Tensor | None], torch.Tensor]:
+    def dequant_linear(self, native: ModuleType) -> Int8LinearFn:
         """Many rows (prefill): W's integers from this copy (int8_panel_dequantize), then `dequant.linear`'s dense bf16
         product and scaling — its output bit for bit, without the rows."""
         def dequant_panels(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -126,8 +126,8 @@ torch::Tensor int8_panel_tiled_linear(const torch::Tensor& x, const torch::Tenso
                                       int64_t N, const c10::optional<torch::Tensor>& bias) {
   panel_rows::check_call(x, 1);
   int8_panels::check_copy(panels, &scale, N, x.size(1));
-  return product(x, Int8Panels{panels.data_ptr<int32_t>(), scale.data_ptr<float>(), 2 * int8_panels::quads(x.size(1))},
-                 N, bias);
+  const Int8Panels copy{panels.data_ptr<int32_t>(), scale.data_ptr<float>(), 2 * int8_panels::quads(x.size(1))};
+  return product(x, copy, N, bias);
 }
 
 // See the file's legend: group-wise int4 from its panel copy.
@@ -136,8 +136,8 @@ torch::Tensor int4_panel_tiled_linear(const torch::Tensor& x, const torch::Tenso
   panel_rows::check_call(x, 1);
   const int64_t Kp = (x.size(1) + 63) / 64 * 64;
   int4_panels::check_copy(packed, scale, low, N, Kp);
-  return product(x, Int4Panels{packed.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), low.data_ptr<at::Half>(), Kp / 2},
-                 N, bias);
+  const Int4Panels copy{packed.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), low.data_ptr<at::Half>(), Kp / 2};
+  return product(x, copy, N, bias);
 }
 
 #endif  // AVX512-BF16
