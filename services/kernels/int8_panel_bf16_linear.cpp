@@ -30,7 +30,6 @@
 namespace {
 
 using panel_rows::kPanel;
-constexpr int64_t kStep = 64;
 constexpr int64_t kAheadBytes = 1024;  // prefetch distance in all (each of S streams: 1 / S of it)
 constexpr int64_t kStreamRows = 4;  // rows read as 2 streams: S MT 2 accumulators in registers
 
@@ -107,15 +106,12 @@ torch::Tensor int8_panel_bf16_linear(const torch::Tensor& x, const torch::Tensor
                                      bool non_temporal) {
   panel_rows::check_call(x, streams);
   TORCH_CHECK(streams <= 2, "streams must be 1 or 2, got ", streams);
-  const int64_t M = x.size(0), K = x.size(1), K4 = (K + kStep - 1) / kStep * kStep / 4;
+  const int64_t M = x.size(0), K = x.size(1), K4 = int8_panels::quads(K);
   int8_panels::check_copy(panels, &scale, N, K);
   const torch::Tensor bias32 = panel_rows::float_bias(bias, N);
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  std::vector<at::BFloat16> xp(M * 4 * K4, at::BFloat16(0.f));  // x padded with zeros to Kp = 4 K4 columns
-  const torch::Tensor xc = x.contiguous();
-  const at::BFloat16* xv = xc.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < M; ++m) std::copy(xv + m * K, xv + (m + 1) * K, xp.begin() + m * 4 * K4);
+  const std::vector<at::BFloat16> xp = panel_rows::padded_x(x, 4 * K4);  // Kp columns
   panel_rows::run<1, panel_rows::kTile, kStreamRows>(PairDots{panels.data_ptr<int32_t>(), xp.data(),
                                                                scale.data_ptr<float>(), K4},
                                                       bias32, M, N, y.data_ptr<at::BFloat16>(), streams, non_temporal);

@@ -129,7 +129,7 @@ torch::Tensor int8_panel_linear(const torch::Tensor& x, const torch::Tensor& pan
                                 int64_t N, const c10::optional<torch::Tensor>& bias, int64_t streams,
                                 bool non_temporal) {
   panel_rows::check_call(x, streams);
-  const int64_t M = x.size(0), K = x.size(1), K4 = (K + kStep - 1) / kStep * kStep / 4;
+  const int64_t M = x.size(0), K = x.size(1), K4 = int8_panels::quads(K);
   TORCH_CHECK(K <= 65536, "K must be at most 65,536 (int32 dots), got ", K);
   int8_panels::check_copy(panels, &scale, N, K);
   const torch::Tensor bias32 = panel_rows::float_bias(bias, N);

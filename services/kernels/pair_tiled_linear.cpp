@@ -173,7 +173,7 @@ torch::Tensor pair_tiled_linear(const torch::Tensor& x, const c10::optional<torc
 torch::Tensor int8_panel_pairs_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
                                       int64_t N, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a CPU bf16 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), Kx = (K + kKC - 1) / kKC * kKC, K4 = (K + 63) / 64 * 16;
+  const int64_t M = x.size(0), K = x.size(1), Kx = (K + kKC - 1) / kKC * kKC, K4 = int8_panels::quads(K);
   const int64_t P = (N + 15) / 16;
   TORCH_CHECK(K > 0, "W must have columns");
   int8_panels::check_copy(panels, &scale, N, K);

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "count_dispatch.h"
 #include "thread_chunks.h"
@@ -85,6 +86,16 @@ inline void check_call(const torch::Tensor& x, int64_t streams) {
               "x must be a CPU bfloat16 [M, K]");
   TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "streams must be 1, 2 or 4, got ", streams);
   TORCH_CHECK(x.size(1) > 0, "x must have columns");
+}
+
+// x's rows padded with zeros to `columns` (>= K): [M, columns] bf16, what the panel kernels read x's pairs from
+inline std::vector<at::BFloat16> padded_x(const torch::Tensor& x, int64_t columns) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<at::BFloat16> xp(M * columns, at::BFloat16(0.f));
+  const torch::Tensor xc = x.contiguous();
+  const at::BFloat16* xv = xc.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) std::copy(xv + m * K, xv + (m + 1) * K, xp.begin() + m * columns);
+  return xp;
 }
 
 // bias [N] in float32 (the sums' dtype), or an undefined tensor where there is none

@@ -97,22 +97,12 @@ struct ConvertedDots {
   }
 };
 
-// x's rows as bf16 pairs, padded with zeros to Kp = 2 K2 columns
-std::vector<at::BFloat16> pad_x(const torch::Tensor& x, int64_t K2) {
-  const int64_t M = x.size(0), K = x.size(1);
-  std::vector<at::BFloat16> xp(M * 2 * K2, at::BFloat16(0.f));
-  const torch::Tensor xc = x.contiguous();
-  const at::BFloat16* xv = xc.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < M; ++m) std::copy(xv + m * K, xv + (m + 1) * K, xp.begin() + m * 2 * K2);
-  return xp;
-}
-
 template <typename Copy>
 torch::Tensor product(const torch::Tensor& x, const Copy& copy, int64_t N, const c10::optional<torch::Tensor>& bias) {
   const torch::Tensor bias32 = panel_rows::float_bias(bias, N);
   torch::Tensor y = torch::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return y;
-  const std::vector<at::BFloat16> xp = pad_x(x, copy.K2);
+  const std::vector<at::BFloat16> xp = panel_rows::padded_x(x, 2 * copy.K2);  // Kp columns
   // two adjacent panels a pass, as bf16_panel_linear's several rows
   panel_rows::run<2>(ConvertedDots<Copy>{copy, reinterpret_cast<const int32_t*>(xp.data())}, bias32, x.size(0), N,
                      y.data_ptr<at::BFloat16>(), 1, false);
