@@ -1,7 +1,9 @@
 """A GGUF file of a Llama-family Hugging Face folder's exact weights, for llama.cpp to run beside
 pdserve on the same model (`benchmarks/vs_llama_cpp.py`). Written with the `gguf` package, the way
 llama.cpp's own converter lays a Llama out: q/k rows permuted back to interleaved rotary pairs,
-norms in float32, matrices in the chosen type (F16, Q8_0, Q4_0).
+norms in float32, matrices in the chosen type (F16, Q8_0, and every matrix Q4_0: `q4_0-pure`).
+`q4_0` is what a llama.cpp user has: the f16 file through llama.cpp's own quantizer with its defaults
+(`llama-quantize model-f16.gguf Q4_0`), which keeps the output matrix (here the tied embedding) in Q6_K.
 
 The vocabulary is placeholder text (the benchmark feeds token ids, never text): `<unk>`, `<s>`,
 `</s>`, the 256 byte tokens llama.cpp's SentencePiece loader looks up, then `<t{i}>`.
@@ -9,6 +11,8 @@ The vocabulary is placeholder text (the benchmark feeds token ids, never text): 
 
 from __future__ import annotations
 
+import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +21,7 @@ import torch
 from services.checkpoint import load_weights
 from services.model_config import ModelConfig
 
-TYPES = ("f16", "q8_0", "q4_0")
+TYPES = ("f16", "q8_0", "q4_0", "q4_0-pure")
 
 
 def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -25,17 +29,52 @@ def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_file(folder: str | Path, cache: str | Path, qtype: str) -> Path:
+    """The GGUF of `qtype` for the model in `folder`, written under `cache` on first use (`1b-q4_0.gguf` of sessions
+    before 45 was every matrix Q4_0: the name now says `-pure`)."""
+    if qtype not in TYPES:
+        raise ValueError(f"qtype must be one of {', '.join(TYPES)}, got {qtype!r}")
+    cache, stem = Path(cache), Path(folder).name
+    if qtype == "q4_0":
+        return quantize_like_llama_cpp(gguf_file(folder, cache, "f16"), cache / f"{stem}-q4_0-llama-quantize.gguf")
+    return write_gguf(folder, cache / f"{stem}-{qtype}.gguf", qtype)
+
+
+def quantize_like_llama_cpp(f16: Path, out: Path) -> Path:
+    """`f16` through llama.cpp's quantizer with its default settings, to Q4_0 (llama-cpp-python's binding of
+    `llama_model_quantize`, the function behind `llama-quantize`); its per-tensor log goes to `out`.log."""
+    import llama_cpp
+
+    if out.is_file():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, os.cpu_count() or 1
+    tmp = out.with_suffix(".tmp")
+    with open(out.with_suffix(".log"), "w") as log:  # the C library writes a line a tensor to fd 2
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            failed = llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), ctypes.byref(params))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    if failed:
+        raise RuntimeError(f"llama.cpp's quantizer failed ({failed}) on {f16}: see {out.with_suffix('.log')}")
+    tmp.rename(out)
+    return out
+
+
 def write_gguf(folder: str | Path, out: str | Path, qtype: str) -> Path:
     import gguf
 
-    if qtype not in TYPES:
-        raise ValueError(f"qtype must be one of {', '.join(TYPES)}, got {qtype!r}")
+    if qtype not in TYPES or qtype == "q4_0":
+        raise ValueError(f"write_gguf writes {', '.join(t for t in TYPES if t != 'q4_0')}, got {qtype!r}")
     out = Path(out)
     if out.is_file():
         return out
     c = ModelConfig.from_folder(folder)
     matrix_type = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-                   "q4_0": gguf.GGMLQuantizationType.Q4_0}[qtype]
+                   "q4_0-pure": gguf.GGMLQuantizationType.Q4_0}[qtype]
     weights = load_weights(folder, c, torch.float32)
     tmp = out.with_suffix(".tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")

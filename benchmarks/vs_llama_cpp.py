@@ -1,7 +1,8 @@
 """pdserve's engine against the tools a CPU user would pick, on the same weights, in one sitting.
 
 The `1b` preset (random weights, bf16 safetensors) and GGUF files of exactly those weights (f16,
-Q8_0, Q4_0; `benchmarks/llama_gguf.py`) are timed in interleaved rounds, so a noisy moment of this
+Q8_0; Q4_0 as llama.cpp's `llama-quantize` makes it, its output matrix in Q6_K, and `q4_0-pure`, every matrix
+Q4_0; `benchmarks/llama_gguf.py`) are timed in interleaved rounds, so a noisy moment of this
 shared host hits every system alike:
 - batch-1 decode: ms per token after a 128-token prompt (pdserve: `engine.step()`; llama.cpp:
   `Llama.eval([token])`; transformers: one forward with its KV cache);
@@ -34,7 +35,8 @@ import torch
 from benchmarks import ceilings as ceilings_mod
 from benchmarks import instruction_rates
 from benchmarks.bench_runners import PROMPT, LlamaCppRunner, PdserveRunner, TransformersRunner
-from benchmarks.llama_gguf import write_gguf
+from benchmarks.llama_gguf import TYPES as GGUF_TYPES
+from benchmarks.llama_gguf import gguf_file
 from benchmarks.model_folders import CACHE_DIR, describe, preset_folder
 from benchmarks.report import environment, format_table, write_results
 from services.engine_config import QUANTIZATIONS
@@ -46,15 +48,16 @@ from services.model_config import ModelConfig
 ROUNDS_ROOM_BYTES = 6 << 30
 
 
-# pdserve's modes and llama.cpp's GGUF type of the same weight bits
-SAME_BITS = {"float32": "f16", "bfloat16": "f16", "int8": "q8_0", "w8a8": "q8_0", "int4": "q4_0", "w4a8": "q4_0"}
+# pdserve's modes and llama.cpp's GGUF types of the same weight bits
+SAME_BITS = {"float32": ("f16",), "bfloat16": ("f16",), "int8": ("q8_0",), "w8a8": ("q8_0",),
+             "int4": ("q4_0", "q4_0-pure"), "w4a8": ("q4_0", "q4_0-pure")}
 
 
 def same_bits_pairs(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
     """Each pdserve mode against llama.cpp's of the same bits, round by round (their decode samples taken seconds
     apart): llama.cpp's ms / pdserve's — above 1, pdserve faster — with the median and the rounds pdserve won."""
     pairs = {}
-    for mode, qtype in SAME_BITS.items():
+    for mode, qtype in ((mode, qtype) for mode, qtypes in SAME_BITS.items() for qtype in qtypes):
         ours, theirs = samples.get(f"pdserve {mode}"), samples.get(f"llama.cpp {qtype}")
         if ours and theirs:
             ratios = [t / o for o, t in zip(ours["decode_ms"], theirs["decode_ms"])]
@@ -88,8 +91,9 @@ def main() -> None:
                         choices=["float32", "bfloat16", *QUANTIZATIONS],
                         help="pdserve modes: float32, bfloat16, int8 / int4 / w8a8 / w4a8 (bf16 compute; int8 / "
                              "int4 weights; w8a8 / w4a8: int8 / int4 weights and int8 activations)")
-    parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0", "q4_0"], choices=["f16", "q8_0", "q4_0"],
-                        help="GGUF types (default all three; the flag alone: no llama.cpp)")
+    parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0", "q4_0"], choices=GGUF_TYPES,
+                        help="GGUF types (default f16 q8_0 q4_0; q4_0: llama-quantize's, output in Q6_K; q4_0-pure: "
+                             "every matrix Q4_0; the flag alone: no llama.cpp)")
     parser.add_argument("--transformers", nargs="*", default=["bfloat16"], choices=["bfloat16", "float32"],
                         help="dtypes for transformers (default bfloat16; the flag alone: no transformers)")
     parser.add_argument("--batch-steps", type=int, default=6, help="timed batch-32 decode steps per round")
@@ -104,8 +108,7 @@ def main() -> None:
         runners[f"pdserve {mode}"] = PdserveRunner(folder, dtype, quantization)
     for qtype in args.llama_cpp:
         print(f"GGUF {qtype} ...", flush=True)
-        runners[f"llama.cpp {qtype}"] = LlamaCppRunner(write_gguf(folder, CACHE_DIR / f"1b-{qtype}.gguf", qtype),
-                                                      args.threads)
+        runners[f"llama.cpp {qtype}"] = LlamaCppRunner(gguf_file(folder, CACHE_DIR, qtype), args.threads)
     for dtype in args.transformers:
         runners[f"transformers {dtype}"] = TransformersRunner(folder, getattr(torch, dtype))
     if warning := memory_warning(available_memory_bytes()):
