@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from services.errors import CheckpointError
 from services.gguf_folder import resolve_folder
+from services.kernels.onednn_packs import fits
 from services.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,12 +63,15 @@ def validate_folder(path: str | Path) -> Path:
     return folder
 
 
-def load_weights(folder: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(folder: str | Path, config: ModelConfig, dtype: torch.dtype,
+                 quantizing: bool = False) -> dict[str, torch.Tensor]:
     """Load every expected tensor as `dtype`, checking all names and shapes before reading any data.
 
     Reads `model.safetensors.index.json` and its shards when present, else every `*.safetensors`
     file in the folder. Tensors the runtime does not use (`rotary_emb.inv_freq`, a tied lm_head) are ignored.
-    A `.gguf` file's converted folder is read in its place.
+    A `.gguf` file's converted folder is read in its place. With `quantizing`, the projections a quantization
+    rounds (`PROJECTIONS`) that the file stores in float32 stay float32 where memory holds them: rounded once, from
+    the file's own values (a Q4_0 or Q4_1 GGUF's exactly: services/int4_weight.py), not after a cast to `dtype`.
     """
     folder = resolve_folder(folder)
     expected = expected_shapes(config)
@@ -89,9 +94,23 @@ def load_weights(folder: str | Path, config: ModelConfig, dtype: torch.dtype) ->
             found = tuple(handles[path].get_slice(name).get_shape())
             if found != shape:
                 raise CheckpointError(f"tensor {name!r} in {path} has shape {list(found)}, expected {list(shape)}")
+        exact = _float32_projections(handles, located, expected, dtype) if quantizing else set()
         # copies, even in the file's own dtype: safetensors' tensors are views of the file's mapping, and one kept
         # (a norm's 4 KB) kept all of it mapped — the `1b` preset's 2.1 GB counted in the worker's resident size
-        return {name: _read(handles[located[name]], name, located[name]).to(dtype, copy=True) for name in expected}
+        return {name: _read(handles[located[name]], name, located[name]).to(
+            torch.float32 if name in exact else dtype, copy=True) for name in expected}
+
+
+PROJECTIONS = ("_proj.weight", "lm_head.weight")  # the names' endings of the matrices a quantization rounds
+
+
+def _float32_projections(handles: dict[Path, Any], located: dict[str, Path], expected: dict[str, tuple[int, ...]],
+                         dtype: torch.dtype) -> set[str]:
+    """The projections stored in float32, if memory holds them so until they are quantized (else none)."""
+    found = {name for name in expected if name.endswith(PROJECTIONS)
+             and handles[located[name]].get_slice(name).get_dtype() == "F32"}
+    extra = sum(math.prod(expected[name]) for name in found) * (4 - dtype.itemsize)
+    return found if extra == 0 or fits(extra) else set()
 
 
 def _weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:

@@ -9,6 +9,9 @@ symmetric grid wastes a level and is sized by the larger side; it costs the kern
 offset term is sum_g low[n, g] * sum(x over g), one short dot per row). Why G = 32: measured on
 stories260K and SmolLM2-135M (docs/quantization.md), 64 doubles the logprob error for 3% fewer bytes.
 scale and low are float16 (llama.cpp's Q4 formats store theirs in 16 bits too): 0.625 bytes/weight.
+A group whose values are already a llama.cpp Q4_0 block's ((q - 8) d, a float16 d) keeps that grid exactly
+(scale d, negative where the block's largest magnitude is positive, low -8 d); a Q4_1 block's (q d + m) is
+what the min/max grid finds anyway. So a Q4_0 or Q4_1 GGUF's matrices reach the kernels as the file holds them.
 
 Storage order, chosen for the native kernel (services/kernels/int4_linear.cpp): each 64-column block
 is 32 bytes; the kernel loads them into both halves of a 512-bit register, shifts the upper half's
@@ -48,7 +51,7 @@ class Int4Weight:
 
     packed: torch.Tensor  # [N, Kp / 2] uint8, two q per byte in BLOCK_ORDER (see the module's docstring)
     scale: torch.Tensor  # [N, Kp / G] float16
-    low: torch.Tensor  # [N, Kp / G] float16: each group's minimum (q = 0)
+    low: torch.Tensor  # [N, Kp / G] float16: each group's value at q = 0 (its minimum; a Q4_0 block's -8 d)
     in_features: int  # K; the columns past it are padding, multiplied by zeros
     rows_dropped: bool = False  # `without_rows`: `packed` keeps its shape, not its bytes
 
@@ -71,6 +74,11 @@ class Int4Weight:
         scale16 = _rounded(torch.where(high > low, (high - low16.float()) / 15, torch.ones_like(low)), down=False)
         scale16 = torch.where(scale16 > 0, scale16, torch.full_like(scale16, 6e-8))  # a range below float16's least
         q = torch.round((groups - low16.float()[..., None]) / scale16.float()[..., None]).clamp_(0, 15)
+        if weight.dtype == torch.float32:  # a GGUF's dequantized matrices come as float32 (bf16 cannot hold them)
+            on_grid, d, levels = _q4_0_blocks(groups)
+            scale16 = torch.where(on_grid, d.half(), scale16)
+            low16 = torch.where(on_grid, (-8 * d).half(), low16)
+            q = torch.where(on_grid[..., None], levels, q)
         return cls(_pack(q.view(n, kp).to(torch.uint8)), scale16.contiguous(), low16.contiguous(), k)
 
     def levels(self) -> torch.Tensor:
@@ -117,6 +125,20 @@ class Int4Weight:
     def with_packed(self, packed: torch.Tensor) -> Int4Weight:
         """The same weight reading its nibbles from `packed` (a copy placed elsewhere, e.g. huge pages)."""
         return dataclasses.replace(self, packed=packed)
+
+
+def _q4_0_blocks(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which groups [N, Kp / G, G] (float32) already hold a llama.cpp Q4_0 block's values exactly: w = (q - 8) d, q in
+    0..15, d a float16 number, the largest magnitude at q = 0 (so d = -that value / 8, negative where it is
+    positive). Those keep their own grid, scale d and low -8 d (both exact in float16), instead of a new one whose
+    rounding would move most values (a Q4_0 GGUF's weights then reach the kernels unchanged). Returns the mask
+    [N, Kp / G], d and the levels q (float32, meaningful where the mask holds)."""
+    peak = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    d = -peak / 8
+    safe = torch.where(d != 0, d, torch.ones_like(d))
+    levels = groups / safe[..., None] + 8  # exact where the values are (q - 8) d: integers
+    whole = (levels == levels.round()) & (levels >= 0) & (levels <= 15)
+    return (d != 0) & (d.half().float() == d) & whole.all(dim=2), d, levels
 
 
 def _rounded(values: torch.Tensor, down: bool) -> torch.Tensor:
