@@ -40,26 +40,29 @@ def gguf_file(folder: str | Path, cache: str | Path, qtype: str) -> Path:
     return write_gguf(folder, cache / f"{stem}-{qtype}.gguf", qtype)
 
 
-def quantize_like_llama_cpp(f16: Path, out: Path) -> Path:
-    """`f16` through llama.cpp's quantizer with its default settings, to Q4_0 (llama-cpp-python's binding of
-    `llama_model_quantize`, the function behind `llama-quantize`); its per-tensor log goes to `out`.log."""
+def quantize_like_llama_cpp(source: Path, out: Path, ftype: str = "Q4_0") -> Path:
+    """`source` through llama.cpp's quantizer with its default settings, to `ftype` (a LLAMA_FTYPE_MOSTLY_ name: Q4_0,
+    Q8_0, Q4_K_M, ...; llama-cpp-python's binding of `llama_model_quantize`, the function behind `llama-quantize`;
+    an already quantized source is re-quantized, as `llama-quantize --allow-requantize`); its per-tensor log goes to
+    `out`.log."""
     import llama_cpp
 
     if out.is_file():
         return out
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, os.cpu_count() or 1
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), os.cpu_count() or 1
+    params.allow_requantize = True
     tmp = out.with_suffix(".tmp")
     with open(out.with_suffix(".log"), "w") as log:  # the C library writes a line a tensor to fd 2
         saved = os.dup(2)
         os.dup2(log.fileno(), 2)
         try:
-            failed = llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), ctypes.byref(params))
+            failed = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
         finally:
             os.dup2(saved, 2)
             os.close(saved)
     if failed:
-        raise RuntimeError(f"llama.cpp's quantizer failed ({failed}) on {f16}: see {out.with_suffix('.log')}")
+        raise RuntimeError(f"llama.cpp's quantizer failed ({failed}) on {source}: see {out.with_suffix('.log')}")
     tmp.rename(out)
     return out
 

@@ -10,6 +10,7 @@ mean |Δ logprob| of the text's own next token — fed whole (prefill's products
 (decode's one-row products).
 
     python -m benchmarks.real_model_int8 --threads 2
+    python -m benchmarks.real_model_int8 --threads 2 --llama-quantize Q4_0   # the file re-quantized by llama.cpp first
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -94,12 +96,21 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a .gguf file or folder (default: the default model)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--llama-quantize", metavar="FTYPE", help="first re-quantize the GGUF with llama.cpp's own "
+                        "quantizer (llama-cpp-python, the `bench` extra) to FTYPE: Q4_0, Q8_0, Q4_K_M, ...; the file is "
+                        "written beside it once")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
         from services.default_model import default_gguf
 
         args.model = str(default_gguf())
+    if args.llama_quantize:
+        from benchmarks.llama_gguf import quantize_like_llama_cpp
+
+        source = Path(args.model)
+        args.model = str(quantize_like_llama_cpp(source, source.with_name(f"{source.stem}-{args.llama_quantize}.gguf"),
+                                                 args.llama_quantize))
     converted_s, load_s = convert_and_load(args.model) if args.model.endswith(".gguf") else (None, None)
     options = dict(max_model_len=512, enable_prefix_caching=False, num_threads=args.threads)
     variants = {"float32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
