@@ -54,7 +54,8 @@ class Engine:
         self.max_model_len = self.config.resolve_max_model_len(self.model_config)
         num_blocks = self.config.resolve_num_kv_blocks(self.model_config, self.dtype.itemsize, self.max_model_len)
         self.tensor_parallel = TensorParallel.start(self.config, self.model_config, self.device, group_spec, rank)
-        weights = load_weights(self.config.model, self.model_config, self.dtype, self.config.quantization is not None)
+        quantizing = self.config.quantization is not None and self.device.type == "cpu"  # float32 fits: host memory
+        weights = load_weights(self.config.model, self.model_config, self.dtype, quantizing)
         if self.tensor_parallel is not None:
             shard_weights(weights, self.model_config, self.tensor_parallel.layout)
         weights = {name: w.to(self.device) for name, w in weights.items()}
