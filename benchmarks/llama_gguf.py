@@ -2,8 +2,9 @@
 pdserve on the same model (`benchmarks/vs_llama_cpp.py`). Written with the `gguf` package, the way
 llama.cpp's own converter lays a Llama out: q/k rows permuted back to interleaved rotary pairs,
 norms in float32, matrices in the chosen type (F16, Q8_0, and every matrix Q4_0: `q4_0-pure`).
-`q4_0` is what a llama.cpp user has: the f16 file through llama.cpp's own quantizer with its defaults
-(`llama-quantize model-f16.gguf Q4_0`), which keeps the output matrix (here the tied embedding) in Q6_K.
+`q4_0` and `q4_k_m` are what a llama.cpp user has: the f16 file through llama.cpp's own quantizer with its defaults
+(`llama-quantize model-f16.gguf Q4_0`, which keeps the output matrix, here the tied embedding, in Q6_K; `Q4_K_M`,
+Q4_K with half the `ffn_down` and `attn_v` matrices in Q6_K, llama.cpp users' usual 4-bit choice).
 
 The vocabulary is placeholder text (the benchmark feeds token ids, never text): `<unk>`, `<s>`,
 `</s>`, the 256 byte tokens llama.cpp's SentencePiece loader looks up, then `<t{i}>`.
@@ -21,7 +22,8 @@ import torch
 from services.checkpoint import load_weights
 from services.model_config import ModelConfig
 
-TYPES = ("f16", "q8_0", "q4_0", "q4_0-pure")
+TYPES = ("f16", "q8_0", "q4_0", "q4_0-pure", "q4_k_m")
+BY_LLAMA_QUANTIZE = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}  # the types llama.cpp's own quantizer writes from the f16
 
 
 def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -35,8 +37,9 @@ def gguf_file(folder: str | Path, cache: str | Path, qtype: str) -> Path:
     if qtype not in TYPES:
         raise ValueError(f"qtype must be one of {', '.join(TYPES)}, got {qtype!r}")
     cache, stem = Path(cache), Path(folder).name
-    if qtype == "q4_0":
-        return quantize_like_llama_cpp(gguf_file(folder, cache, "f16"), cache / f"{stem}-q4_0-llama-quantize.gguf")
+    if qtype in BY_LLAMA_QUANTIZE:
+        return quantize_like_llama_cpp(gguf_file(folder, cache, "f16"), cache / f"{stem}-{qtype}-llama-quantize.gguf",
+                                       BY_LLAMA_QUANTIZE[qtype])
     return write_gguf(folder, cache / f"{stem}-{qtype}.gguf", qtype)
 
 
@@ -70,8 +73,8 @@ def quantize_like_llama_cpp(source: Path, out: Path, ftype: str = "Q4_0") -> Pat
 def write_gguf(folder: str | Path, out: str | Path, qtype: str) -> Path:
     import gguf
 
-    if qtype not in TYPES or qtype == "q4_0":
-        raise ValueError(f"write_gguf writes {', '.join(t for t in TYPES if t != 'q4_0')}, got {qtype!r}")
+    if qtype not in TYPES or qtype in BY_LLAMA_QUANTIZE:
+        raise ValueError(f"write_gguf writes {', '.join(t for t in TYPES if t not in BY_LLAMA_QUANTIZE)}, got {qtype!r}")
     out = Path(out)
     if out.is_file():
         return out

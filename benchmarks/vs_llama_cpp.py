@@ -1,8 +1,8 @@
 """pdserve's engine against the tools a CPU user would pick, on the same weights, in one sitting.
 
 The `1b` preset (random weights, bf16 safetensors) and GGUF files of exactly those weights (f16,
-Q8_0; Q4_0 as llama.cpp's `llama-quantize` makes it, its output matrix in Q6_K, and `q4_0-pure`, every matrix
-Q4_0; `benchmarks/llama_gguf.py`) are timed in interleaved rounds, so a noisy moment of this
+Q8_0; Q4_0 and Q4_K_M as llama.cpp's `llama-quantize` makes them, the output matrix in Q6_K, and `q4_0-pure`, every
+matrix Q4_0; `benchmarks/llama_gguf.py`) are timed in interleaved rounds, so a noisy moment of this
 shared host hits every system alike:
 - batch-1 decode: ms per token after a 128-token prompt (pdserve: `engine.step()`; llama.cpp:
   `Llama.eval([token])`; transformers: one forward with its KV cache);
@@ -50,7 +50,7 @@ ROUNDS_ROOM_BYTES = 6 << 30
 
 # pdserve's modes and llama.cpp's GGUF types of the same weight bits
 SAME_BITS = {"float32": ("f16",), "bfloat16": ("f16",), "int8": ("q8_0",), "w8a8": ("q8_0",),
-             "int4": ("q4_0", "q4_0-pure"), "w4a8": ("q4_0", "q4_0-pure")}
+             "int4": ("q4_0", "q4_0-pure", "q4_k_m"), "w4a8": ("q4_0", "q4_0-pure", "q4_k_m")}
 
 
 def same_bits_pairs(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
@@ -92,8 +92,8 @@ def main() -> None:
                         help="pdserve modes: float32, bfloat16, int8 / int4 / w8a8 / w4a8 (bf16 compute; int8 / "
                              "int4 weights; w8a8 / w4a8: int8 / int4 weights and int8 activations)")
     parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0", "q4_0"], choices=GGUF_TYPES,
-                        help="GGUF types (default f16 q8_0 q4_0; q4_0: llama-quantize's, output in Q6_K; q4_0-pure: "
-                             "every matrix Q4_0; the flag alone: no llama.cpp)")
+                        help="GGUF types (default f16 q8_0 q4_0; q4_0 and q4_k_m: llama-quantize's, output in Q6_K; "
+                             "q4_0-pure: every matrix Q4_0; the flag alone: no llama.cpp)")
     parser.add_argument("--transformers", nargs="*", default=["bfloat16"], choices=["bfloat16", "float32"],
                         help="dtypes for transformers (default bfloat16; the flag alone: no transformers)")
     parser.add_argument("--batch-steps", type=int, default=6, help="timed batch-32 decode steps per round")

@@ -33,8 +33,8 @@ def test_both_q4_0_files_pair_with_the_int4_modes():
 
 
 def test_gguf_files_are_named_by_type_and_hold_its_matrices(tiny_path, tmp_path):
-    """The gguf package writes f16, q8_0 and q4_0-pure (every matrix Q4_0); `q4_0` is llama.cpp's quantizer's
-    (needs llama-cpp-python, the `bench` extra: not tested here); an unknown type is refused by name."""
+    """The gguf package writes f16, q8_0 and q4_0-pure (every matrix Q4_0); `q4_0` and `q4_k_m` are llama.cpp's
+    quantizer's (needs llama-cpp-python, the `bench` extra: not tested here); an unknown type is refused by name."""
     gguf = pytest.importorskip("gguf")
     expected = {"f16": "F16", "q8_0": "Q8_0", "q4_0-pure": "Q4_0"}
     for qtype, matrix_type in expected.items():
@@ -44,7 +44,8 @@ def test_gguf_files_are_named_by_type_and_hold_its_matrices(tiny_path, tmp_path)
         assert types["blk.0.ffn_down.weight"] == types["output.weight"] == matrix_type
         assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == "F32"
         assert gguf_file(tiny_path, tmp_path, qtype) == path  # written once
-    with pytest.raises(ValueError, match="qtype must be one of f16, q8_0, q4_0, q4_0-pure, got 'q5_0'"):
+    with pytest.raises(ValueError, match="qtype must be one of f16, q8_0, q4_0, q4_0-pure, q4_k_m, got 'q5_0'"):
         gguf_file(tiny_path, tmp_path, "q5_0")
-    with pytest.raises(ValueError, match="write_gguf writes f16, q8_0, q4_0-pure, got 'q4_0'"):
-        write_gguf(tiny_path, tmp_path / "x.gguf", "q4_0")
+    for made_by_llama_cpp in ("q4_0", "q4_k_m"):
+        with pytest.raises(ValueError, match=f"write_gguf writes f16, q8_0, q4_0-pure, got '{made_by_llama_cpp}'"):
+            write_gguf(tiny_path, tmp_path / "x.gguf", made_by_llama_cpp)
