@@ -76,9 +76,7 @@ class Int4Weight:
         q = torch.round((groups - low16.float()[..., None]) / scale16.float()[..., None]).clamp_(0, 15)
         if weight.dtype == torch.float32:  # a GGUF's dequantized matrices come as float32 (bf16 cannot hold them)
             on_grid, d, levels = _q4_0_blocks(groups)
-            scale16 = torch.where(on_grid, d.half(), scale16)
-            low16 = torch.where(on_grid, (-8 * d).half(), low16)
-            q = torch.where(on_grid[..., None], levels, q)
+            scale16[on_grid], low16[on_grid], q[on_grid] = d.half(), (-8 * d).half(), levels
         return cls(_pack(q.view(n, kp).to(torch.uint8)), scale16.contiguous(), low16.contiguous(), k)
 
     def levels(self) -> torch.Tensor:
@@ -132,13 +130,14 @@ def _q4_0_blocks(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     0..15, d a float16 number, the largest magnitude at q = 0 (so d = -that value / 8, negative where it is
     positive). Those keep their own grid, scale d and low -8 d (both exact in float16), instead of a new one whose
     rounding would move most values (a Q4_0 GGUF's weights then reach the kernels unchanged). Returns the mask
-    [N, Kp / G], d and the levels q (float32, meaningful where the mask holds)."""
+    [N, Kp / G] and, for the groups it holds, d [M] and the levels q [M, G] (float32)."""
     peak = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
     d = -peak / 8
-    safe = torch.where(d != 0, d, torch.ones_like(d))
-    levels = groups / safe[..., None] + 8  # exact where the values are (q - 8) d: integers
-    whole = (levels == levels.round()) & (levels >= 0) & (levels <= 15)
-    return (d != 0) & (d.half().float() == d) & whole.all(dim=2), d, levels
+    mask = (d != 0) & (d.half().float() == d)  # few groups of a float checkpoint's weights: only those are divided
+    levels = groups[mask] / d[mask][:, None] + 8  # exact where the values are (q - 8) d: integers
+    whole = ((levels == levels.round()) & (levels >= 0) & (levels <= 15)).all(dim=1)
+    mask[mask.clone()] = whole
+    return mask, d[mask], levels[whole]
 
 
 def _rounded(values: torch.Tensor, down: bool) -> torch.Tensor:
