@@ -75,6 +75,11 @@ class Int4Weight:
         scale16 = torch.where(scale16 > 0, scale16, torch.full_like(scale16, 6e-8))  # a range below float16's least
         q = torch.round((groups - low16.float()[..., None]) / scale16.float()[..., None]).clamp_(0, 15)
         if weight.dtype == torch.float32:  # a GGUF's dequantized matrices come as float32 (bf16 cannot hold them)
+            every = max(1, n // 64)  # 64 rows first: a float checkpoint's weight has no such group, and skips the rest
+            if _short_spans(groups[::every], low[::every], high[::every])[0].any():
+                short, step = _short_spans(groups, low, high)
+                scale16[short], low16[short] = step.half(), low[short].half()
+                q[short] = torch.round((groups[short] - low16[short].float()[:, None]) / step.half().float()[:, None])
             on_grid, d, levels = _q4_0_blocks(groups)
             scale16[on_grid], low16[on_grid], q[on_grid] = d.half(), (-8 * d).half(), levels
         return cls(_pack(q.view(n, kp).to(torch.uint8)), scale16.contiguous(), low16.contiguous(), k)
@@ -123,6 +128,49 @@ class Int4Weight:
     def with_packed(self, packed: torch.Tensor) -> Int4Weight:
         """The same weight reading its nibbles from `packed` (a copy placed elsewhere, e.g. huge pages)."""
         return dataclasses.replace(self, packed=packed)
+
+
+def on_four_bit_grid(weight: torch.Tensor, rows: int = 64) -> bool:
+    """Whether `weight` [N, K] already holds 4-bit values, as a GGUF's Q4_0 / Q4_1 / Q4_K matrices do (read as float32 on
+    a CPU: services/checkpoint.py): int4's own grid (`Int4Weight.quantize`) holds 99% of `rows` evenly spread rows'
+    values within a 500th of their group's largest magnitude — as near as its float16 parameters come to a Q4_K
+    group's step and minimum, where rounding values of more levels to 16 moves most by more (about a sixtieth of the
+    group's range on average). A float checkpoint's matrix never passes, a Q5_0 / Q6_K / Q8_0 one does not, and a
+    16-bit tensor is not checked: it cannot hold a Q4 block's float32 values."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or 0 in weight.shape:
+        return False
+    sample = weight[torch.linspace(0, weight.shape[0] - 1, min(rows, weight.shape[0])).round().long()]
+    try:
+        int4 = Int4Weight.quantize(sample)
+    except ValueError:  # not finite, or past float16's range: no 4-bit file made it
+        return False
+    k = sample.shape[1]
+    padded = torch.cat([sample, sample[:, -1:].expand(-1, -k % GROUP)], dim=1).view(sample.shape[0], -1, GROUP)
+    tolerance = (padded.abs().amax(dim=2) / 500).repeat_interleave(GROUP, dim=1)[:, :k]
+    close = (int4.dequantize(torch.float32) - sample).abs() <= tolerance
+    return close.float().mean().item() >= 0.99
+
+
+def _short_spans(groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which groups [N, Kp / G, G] (float32; low, high: their [N, Kp / G] minima and maxima) hold values on k equal
+    steps from their minimum to their maximum, k < 15 and not a divisor of 15 — a llama.cpp Q4_K (or Q4_1) block whose
+    levels do not reach both 0 and 15: a fifth of the groups of a Q4_K_M file's Q4_K matrices, which the min/max
+    grid's 15 steps would move by up to half a step. Those keep their own step (float16, as the file's `d * scale`
+    rounds there: within ~0.4% of a step) and minimum. Returns the mask [N, Kp / G] and the steps [M] of the groups it
+    holds. Four columns a group are tried against each k first: a float checkpoint's groups rarely pass, so few groups
+    are checked whole."""
+    width = high - low
+    safe = torch.where(width > 0, width, 1)[..., None]
+    probe = (groups[..., :4] - low[..., None]) / safe  # [N, Kp / G, 4] in 0..1
+    steps = torch.zeros_like(low)
+    for k in (14, 13, 12, 11, 10, 9, 8, 7, 6, 4, 2):
+        maybe = (steps == 0) & (width > 0) & ((probe * k - (probe * k).round()).abs() <= 1e-3).all(dim=2)
+        if maybe.any():
+            levels = (groups[maybe] - low[maybe][:, None]) / safe[maybe] * k  # [M, G]
+            maybe[maybe.clone()] = ((levels - levels.round()).abs() <= 1e-3).all(dim=1)
+            steps[maybe] = width[maybe] / k
+    mask = steps > 0
+    return mask, steps[mask]
 
 
 def _q4_0_blocks(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.attention import AttentionMetadata, paged_attention
+from services.checkpoint import PROJECTIONS
 from services.int4_weight import Int4Weight
 from services.kernels.bf16_panels import BF16_PANELS, ValuesDropped, without_values
 from services.kernels.decode_chain import DecodeChains
@@ -32,7 +34,7 @@ from services.kernels.int8_panels import INT8_PANELS
 from services.kernels.kernel_plan import KernelPlan
 from services.kernels.onednn_packs import ONEDNN_PACKS
 from services.model_config import ModelConfig
-from services.quantized_weight import Int8Weight, QuantizedWeight, quantize
+from services.quantized_weight import FileFormats, Int8Weight, QuantizedWeight
 from services.rotary import RotaryEmbedding
 from services.tensor_parallel import RankGroup
 from services.tensor_parallel_shards import ShardLayout
@@ -72,8 +74,9 @@ class LlamaModel:
         # int4 keeps the output projection in int8, as llama.cpp's 4-bit files keep theirs in 6-8 bits: on
         # SmolLM2-135M an int4 lm_head alone moved the text's logprobs by 0.30 (int8: 0.03; docs/engine.md)
         head_quantization = "int8" if quantization in ("int4", "w4a8") else quantization
-        self.lm_head = quantize(self.embed if config.tie_word_embeddings else weights.pop("lm_head.weight"),
-                                head_quantization)
+        self.formats = FileFormats([w for name, w in weights.items() if name.endswith(PROJECTIONS)])
+        head = self.embed if config.tie_word_embeddings else weights.pop("lm_head.weight")
+        self.lm_head = self.formats.quantize(head, head_quantization)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config, max_positions, device)
         self._into_huge_pages()
@@ -91,7 +94,8 @@ class LlamaModel:
     @property
     def kernel_summary(self) -> str:
         """The plan's choices, and whether decode steps run as one native call: for the start-up log and stats()."""
-        return self.plan.summary + ("; decode steps: one native call (decode_chain)" if self.chains else "")
+        kept = f"; {self.formats.summary}" if self.formats.summary else ""
+        return self.plan.summary + kept + ("; decode steps: one native call (decode_chain)" if self.chains else "")
 
     def _into_huge_pages(self) -> None:
         """Every matrix a decode step streams, moved into 2 MB pages (services/weight_arena.py)."""
@@ -155,7 +159,8 @@ class LlamaModel:
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> DecoderLayerWeights:
         attn = p + "self_attn."
-        qkv = quantize(torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]), self.quantization)
+        quantize = functools.partial(self.formats.quantize, quantization=self.quantization)
+        qkv = quantize(torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]))
         bias = torch.cat([w.pop(attn + f"{n}_proj.bias") for n in "qkv"]) if self.config.attention_bias else None
         return DecoderLayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
@@ -163,11 +168,10 @@ class LlamaModel:
             qkv_bias=bias,
             q_norm=w.get(attn + "q_norm.weight") if self.config.qk_norm else None,
             k_norm=w.get(attn + "k_norm.weight") if self.config.qk_norm else None,
-            o=quantize(w.pop(attn + "o_proj.weight"), self.quantization),
+            o=quantize(w.pop(attn + "o_proj.weight")),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=quantize(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
-                             self.quantization),
-            down=quantize(w.pop(p + "mlp.down_proj.weight"), self.quantization),
+            gate_up=quantize(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
+            down=quantize(w.pop(p + "mlp.down_proj.weight")),
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
