@@ -131,8 +131,8 @@ class Int4Weight:
 
 
 def on_four_bit_grid(weight: torch.Tensor, rows: int = 64) -> bool:
-    """Whether `weight` [N, K] already holds 4-bit values, as a GGUF's Q4_0 / Q4_1 / Q4_K matrices do (read as float32 on
-    a CPU: services/checkpoint.py): int4's own grid (`Int4Weight.quantize`) holds 99% of `rows` evenly spread rows'
+    """Whether `weight` [N, K] already holds 4-bit values, as a GGUF's Q4_0 / Q4_1 / Q4_K matrices do (read as float32
+    on a CPU: services/checkpoint.py): int4's own grid (`Int4Weight.quantize`) holds 99% of `rows` evenly spread rows'
     values within a 500th of their group's largest magnitude — as near as its float16 parameters come to a Q4_K
     group's step and minimum, where rounding values of more levels to 16 moves most by more (about a sixtieth of the
     group's range on average). A float checkpoint's matrix never passes, a Q5_0 / Q6_K / Q8_0 one does not, and a

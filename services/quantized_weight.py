@@ -125,5 +125,6 @@ def _int8_closer(weight: torch.Tensor, rows: int = 64) -> bool:
     if weight.dim() != 2 or 0 in weight.shape:
         return False
     sample = weight[torch.linspace(0, weight.shape[0] - 1, min(rows, weight.shape[0])).round().long()].float()
-    errors = [(kind.quantize(sample).dequantize(torch.float32) - sample).pow(2).sum() for kind in (Int8Weight, Int4Weight)]
-    return bool(errors[0] < errors[1])
+    def error(kind: type[Int8Weight] | type[Int4Weight]) -> float:
+        return (kind.quantize(sample).dequantize(torch.float32) - sample).pow(2).sum().item()
+    return error(Int8Weight) < error(Int4Weight)

@@ -40,10 +40,10 @@ def sentencepiece_vocab(num_pieces: int = 200) -> tuple[list[str], list[float], 
 
 
 def write_gguf(folder: Path, out: Path, *, arch: str = "llama", matrix_type=F32, skip: tuple[str, ...] = (),
-               tokenizer_model: str = "gpt2", types: dict | None = None) -> Path:
+               tokenizer_model: str = "gpt2", tensor_types: dict | None = None) -> Path:
     """`folder` (one model.safetensors, a byte-level BPE tokenizer.json) as a GGUF at `out`, its matrices in
-    `matrix_type` but those whose GGUF names contain a key of `types` (e.g. {"ffn_down": Q8_0}: llama.cpp's Q4_K_M
-    mixes types so) in its type; `skip` leaves those metadata keys out; tokenizer_model "llama" writes
+    `matrix_type` but those whose GGUF names contain a key of `tensor_types` (e.g. {"ffn_down": Q8_0}: llama.cpp's
+    Q4_K_M mixes types so) in its type; `skip` leaves those metadata keys out; tokenizer_model "llama" writes
     `sentencepiece_vocab()` instead of the folder's."""
     c = ModelConfig.from_folder(folder)
     weights = load_file(str(folder / "model.safetensors"))
@@ -92,7 +92,7 @@ def write_gguf(folder: Path, out: Path, *, arch: str = "llama", matrix_type=F32,
         w = weights[hf_name].astype(np.float32)
         if num_heads is not None and arch == "llama":
             w = permute(w, num_heads)
-        kind = next((t for part, t in (types or {}).items() if part in name), matrix_type)
+        kind = next((t for part, t in (tensor_types or {}).items() if part in name), matrix_type)
         if w.ndim == 2 and kind != F32:
             writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
         else:

