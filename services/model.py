@@ -5,7 +5,8 @@ F intermediate size, V vocab size, L layers, S pool slots.
 Weights arrive with Hugging Face names; q/k/v and gate/up are fused at load, so each layer is
 four matrix products, each through the kernel plan's `linear` (the fastest kernel measured on this
 host for that weight and row count); with `quantization` the four and lm_head are weight-only
-quantized (int4: lm_head in int8; the embedding lookup, norms and KV stay in the compute dtype).
+quantized (int4: lm_head in int8; in a 4-bit file each matrix keeps its file's bits, quantized_weight.FileFormats;
+the embedding lookup, norms and KV stay in the compute dtype).
 A decode step on a CPU with the native build runs its layers in one native call over the same kernels
 (services/kernels/decode_chain.py: the same logits, without Python between the products).
 With a tensor-parallel `group`, the weights arrive already sharded (services/tensor_parallel_shards.py):
