@@ -75,7 +75,7 @@ class LlamaModel:
         # int4 keeps the output projection in int8, as llama.cpp's 4-bit files keep theirs in 6-8 bits: on
         # SmolLM2-135M an int4 lm_head alone moved the text's logprobs by 0.30 (int8: 0.03; docs/engine.md)
         head_quantization = "int8" if quantization in ("int4", "w4a8") else quantization
-        self.formats = FileFormats([w for name, w in weights.items() if name.endswith(PROJECTIONS)])
+        self.formats = FileFormats([w for name, w in weights.items() if name.endswith(PROJECTIONS)], quantization)
         head = self.embed if config.tie_word_embeddings else weights.pop("lm_head.weight")
         self.lm_head = self.formats.quantize(head, head_quantization)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]

@@ -99,8 +99,10 @@ class FileFormats:
     default Q4_1 model: 94.0% -> 97.0%). A float checkpoint (or projections cast to 16 bits first: on a GPU, or where
     float32 copies do not fit) gets the format asked for."""
 
-    def __init__(self, projections: list[torch.Tensor]) -> None:
-        self.four_bit_file = any(on_four_bit_grid(w) for w in projections)
+    KEEPING = ("int8", "int4", "w4a8")  # the requests a file's bits can override
+
+    def __init__(self, projections: list[torch.Tensor], quantization: str | None) -> None:
+        self.four_bit_file = quantization in self.KEEPING and any(on_four_bit_grid(w) for w in projections)
         self.kept: dict[str, int] = {}  # format -> matrices stored in it where the file's values overrode the request
 
     def quantize(self, weight: torch.Tensor, quantization: str | None) -> torch.Tensor | QuantizedWeight:

@@ -68,8 +68,8 @@ def test_four_bit_grids_are_told_from_wider_and_float_weights():
 
 def test_each_matrix_keeps_the_bits_its_file_gave_it():
     four, eight = gguf_values((64, 128), Q4_0), gguf_values((64, 128), Q8_0, seed=1)
-    formats = FileFormats([four, eight])
-    assert formats.four_bit_file
+    formats = FileFormats([four, eight], "int4")
+    assert formats.four_bit_file and not FileFormats([four, eight], "w8a8").four_bit_file
     assert type(formats.quantize(four, "int4")) is Int4Weight and type(formats.quantize(eight, "int4")) is Int8Weight
     assert type(formats.quantize(four, "w4a8")) is W4A8Weight and type(formats.quantize(eight, "w4a8")) is Int8Weight
     assert type(formats.quantize(four, "int8")) is Int4Weight and type(formats.quantize(eight, "int8")) is Int8Weight
@@ -78,7 +78,7 @@ def test_each_matrix_keeps_the_bits_its_file_gave_it():
     assert type(w8a8) is Int8Weight and w8a8.dynamic_activations  # w8a8 rounds every product's x: as asked
     assert formats.quantize(eight, None) is eight
     assert formats.summary == "kept as the file holds them: 2 int4, 2 int8"
-    floats = FileFormats([torch.randn(64, 128), eight])  # no 4-bit matrix: every format as asked
+    floats = FileFormats([torch.randn(64, 128), eight], "int4")  # no 4-bit matrix: every format as asked
     assert not floats.four_bit_file and type(floats.quantize(eight, "int4")) is Int4Weight and floats.summary == ""
 
 
