@@ -9,6 +9,8 @@ shared host hits every system alike:
 - prefill of a 1,024-token prompt (first token included);
 - batch-32 decode with 1,024-token contexts (pdserve only: 32 sequences admitted with random KV,
   as a decode worker admits prefilled ones; llama-cpp-python's high-level API has one sequence).
+`--pdserve-gguf int4:q4_k_m` adds pdserve serving llama.cpp's Q4_K_M file itself (the same bits as llama.cpp's run
+of it, converted once, each matrix in the format that holds it: docs/models.md).
 Each round takes every system's decode sample back to back (in reverse order every other round), then the prefills:
 pdserve's and llama.cpp's batch-1 decode of the same bits (bf16 / f16, int8 / Q8_0, 4-bit / Q4_0) are compared round
 by round, seconds apart, since a single round of either moves by 1.5x with this host's neighbours.
@@ -57,11 +59,13 @@ def same_bits_pairs(samples: dict[str, dict[str, list[float]]]) -> dict[str, dic
     """Each pdserve mode against llama.cpp's of the same bits, round by round (their decode samples taken seconds
     apart): llama.cpp's ms / pdserve's — above 1, pdserve faster — with the median and the rounds pdserve won."""
     pairs = {}
-    for mode, qtype in ((mode, qtype) for mode, qtypes in SAME_BITS.items() for qtype in qtypes):
-        ours, theirs = samples.get(f"pdserve {mode}"), samples.get(f"llama.cpp {qtype}")
+    named = [(f"pdserve {mode}", qtype) for mode, qtypes in SAME_BITS.items() for qtype in qtypes]
+    named += [(name, name.rpartition(" on ")[2]) for name in samples if name.startswith("pdserve ") and " on " in name]
+    for name, qtype in named:  # "pdserve int4 on q4_k_m": pdserve serving that very file
+        ours, theirs = samples.get(name), samples.get(f"llama.cpp {qtype}")
         if ours and theirs:
             ratios = [t / o for o, t in zip(ours["decode_ms"], theirs["decode_ms"])]
-            pairs[f"pdserve {mode} vs llama.cpp {qtype}"] = {"ratios": ratios, "median": statistics.median(ratios),
+            pairs[f"{name} vs llama.cpp {qtype}"] = {"ratios": ratios, "median": statistics.median(ratios),
                                                              "pdserve_faster": sum(r > 1 for r in ratios)}
     return pairs
 
@@ -94,10 +98,19 @@ def main() -> None:
     parser.add_argument("--llama-cpp", nargs="*", default=["f16", "q8_0", "q4_0"], choices=GGUF_TYPES,
                         help="GGUF types (default f16 q8_0 q4_0; q4_0 and q4_k_m: llama-quantize's, output in Q6_K; "
                              "q4_0-pure: every matrix Q4_0; the flag alone: no llama.cpp)")
+    parser.add_argument("--pdserve-gguf", nargs="*", default=[], metavar="MODE:TYPE",
+                        help="pdserve serving llama.cpp's GGUF file of that type itself, e.g. int4:q4_k_m (its Q4_K "
+                             "matrices in int4, its Q6_K ones in int8: docs/models.md), paired with llama.cpp's run "
+                             "of the same file")
     parser.add_argument("--transformers", nargs="*", default=["bfloat16"], choices=["bfloat16", "float32"],
                         help="dtypes for transformers (default bfloat16; the flag alone: no transformers)")
     parser.add_argument("--batch-steps", type=int, default=6, help="timed batch-32 decode steps per round")
     args = parser.parse_args()
+    served_files = [spec.partition(":")[::2] for spec in args.pdserve_gguf]
+    for spec, (mode, qtype) in zip(args.pdserve_gguf, served_files):
+        if mode not in QUANTIZATIONS or qtype not in GGUF_TYPES:
+            parser.error(f"--pdserve-gguf takes MODE:TYPE, MODE one of {', '.join(QUANTIZATIONS)} and TYPE one of "
+                         f"{', '.join(GGUF_TYPES)}; got {spec!r}")
     torch.set_num_threads(args.threads)
     folder = preset_folder("1b")
     config = ModelConfig.from_folder(folder)
@@ -106,6 +119,9 @@ def main() -> None:
     for mode in args.pdserve:
         dtype, quantization = ("bfloat16", mode) if mode in QUANTIZATIONS else (mode, None)
         runners[f"pdserve {mode}"] = PdserveRunner(folder, dtype, quantization)
+    for mode, qtype in served_files:
+        print(f"pdserve {mode} on the GGUF {qtype} ...", flush=True)
+        runners[f"pdserve {mode} on {qtype}"] = PdserveRunner(gguf_file(folder, CACHE_DIR, qtype), "bfloat16", mode)
     for qtype in args.llama_cpp:
         print(f"GGUF {qtype} ...", flush=True)
         runners[f"llama.cpp {qtype}"] = LlamaCppRunner(gguf_file(folder, CACHE_DIR, qtype), args.threads)

@@ -18,6 +18,13 @@ def test_same_bits_pairs_compare_round_by_round():
         "pdserve w4a8 vs llama.cpp q4_0": {"ratios": [0.8, 1.25], "median": 1.025, "pdserve_faster": 1}}
 
 
+def test_pdserve_serving_a_gguf_pairs_with_llama_cpp_on_that_file():
+    samples = {"pdserve int4 on q4_k_m": {"decode_ms": [20.0, 40.0]}, "llama.cpp q4_k_m": {"decode_ms": [25.0, 30.0]},
+               "pdserve int8 on q8_0": {"decode_ms": [10.0]}, "llama.cpp q4_0": {"decode_ms": [5.0]}}
+    assert same_bits_pairs(samples) == {
+        "pdserve int4 on q4_k_m vs llama.cpp q4_k_m": {"ratios": [1.25, 0.75], "median": 1.0, "pdserve_faster": 1}}
+
+
 def test_a_host_short_of_memory_for_the_rounds_is_told_before_them():
     assert memory_warning(None) is None and memory_warning(ROUNDS_ROOM_BYTES) is None
     said = memory_warning(3 << 30)
