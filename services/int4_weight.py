@@ -79,7 +79,8 @@ class Int4Weight:
             if _short_spans(groups[::every], low[::every], high[::every])[0].any():
                 short, step = _short_spans(groups, low, high)
                 scale16[short], low16[short] = step.half(), low[short].half()
-                q[short] = torch.round((groups[short] - low16[short].float()[:, None]) / step.half().float()[:, None])
+                levels = (groups[short] - low16[short].float()[:, None]) / step.half().float()[:, None]
+                q[short] = levels.round_().clamp_(0, 15)
             on_grid, d, levels = _q4_0_blocks(groups)
             scale16[on_grid], low16[on_grid], q[on_grid] = d.half(), (-8 * d).half(), levels
         return cls(_pack(q.view(n, kp).to(torch.uint8)), scale16.contiguous(), low16.contiguous(), k)
@@ -155,10 +156,10 @@ def _short_spans(groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor) ->
     """Which groups [N, Kp / G, G] (float32; low, high: their [N, Kp / G] minima and maxima) hold values on k equal
     steps from their minimum to their maximum, k < 15 and not a divisor of 15 — a llama.cpp Q4_K (or Q4_1) block whose
     levels do not reach both 0 and 15: a fifth of the groups of a Q4_K_M file's Q4_K matrices, which the min/max
-    grid's 15 steps would move by up to half a step. Those keep their own step (float16, as the file's `d * scale`
-    rounds there: within ~0.4% of a step) and minimum. Returns the mask [N, Kp / G] and the steps [M] of the groups it
-    holds. Four columns a group are tried against each k first: a float checkpoint's groups rarely pass, so few groups
-    are checked whole."""
+    grid's 15 steps would move by up to half a step. Those keep their own step and minimum (in float16, which rounds
+    the file's `d * scale` and minimum: values within ~1.5% of a step). Returns the mask [N, Kp / G] and the steps
+    [M] of the groups it holds. Four columns a group are tried against each k first: a float checkpoint's groups
+    rarely pass, so few groups are checked whole."""
     width = high - low
     safe = torch.where(width > 0, width, 1)[..., None]
     probe = (groups[..., :4] - low[..., None]) / safe  # [N, Kp / G, 4] in 0..1

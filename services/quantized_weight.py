@@ -94,7 +94,7 @@ class FileFormats:
     (checkpoint.load_weights with `quantizing`) — where the file's own values decide per matrix, as llama.cpp's 4-bit
     files mix 4 and 6-8 bits: under int4 / w4a8 a matrix that int8 holds closer than int4 (one the file keeps wider:
     Q5_0, Q6_K, ...) is kept in int8, not rounded again to 4 bits (SmolLM2-135M as llama.cpp's Q4_K_M, most of its
-    matrices Q5_0 at that width, served int4 against the file's float32 model: top-1 82.3% -> 93.1%); under int8 a
+    matrices Q5_0 at that width, served int4 against the file's float32 model: top-1 82.3% -> 92.8%); under int8 a
     matrix on a 4-bit grid is kept in int4, which holds it exactly where int8's per-row grid would round it (the
     default Q4_1 model: 94.0% -> 97.0%). A float checkpoint (or projections cast to 16 bits first: on a GPU, or where
     float32 copies do not fit) gets the format asked for."""
