@@ -142,13 +142,17 @@ def main() -> None:
     print(f"{args.model}; {env['cpu']}; {args.threads} threads; load average {os.getloadavg()[0]:.1f}")
     if converted_s is not None:
         print(f"GGUF -> folder: {converted_s:.1f} s (once); engine load from the folder: {load_s:.1f} s")
+    kept = {name: e.runner.model.formats.summary for name, e in engines.items() if e.runner.model.formats.summary}
     print(format_table(["variant", "decode ms/token (batch 1)"], [[name, value] for name, value in ms.items()]))
+    for name, summary in kept.items():  # a 4-bit file's matrices in the format that holds them (docs/models.md)
+        print(f"{name}: {summary}")
     print(f"\nteacher-forced on {len(ids) - 1} tokens of text:")
     print(format_table(["pair", "top-1 agreement", "mean |Δ logprob|"],
                        [[pair, f"{agree:.1%}", delta] for pair, (agree, delta) in quality.items()]))
     path = write_results("real_model_int8", {
         "environment": env, "model": args.model, "load_average": os.getloadavg()[0], "convert_s": converted_s,
-        "load_s": load_s, "decode_ms_per_token": ms, "num_text_tokens": len(ids) - 1,
+        "load_s": load_s, "decode_ms_per_token": ms, "kept_as_the_file_holds_them": kept,
+        "num_text_tokens": len(ids) - 1,
         "quality": {pair: {"top1_agreement": a, "mean_abs_delta_logprob": d} for pair, (a, d) in quality.items()}})
     print(f"wrote {path}")
 
