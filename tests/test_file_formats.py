@@ -106,13 +106,15 @@ def test_a_mixed_gguf_keeps_its_wider_matrices_in_int8(folder, cache, tmp_path):
     outs = [e.generate([[1, 5, 9, 12]], params)[0] for e in engines.values()]  # the same weights, the same kernels
     assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
     # the host's fastest kernels (the native decode chain where built) over the mixed formats: each greedy token is the
-    # top one under the fixed kernels too, or within 0.2 of it (they sum in other orders: this model has near-ties)
+    # top one under the fixed kernels too, or near it: this model has exact ties, and kernels that sum in another
+    # order moved its logprobs by up to 0.1 here (other hosts pick other kernels); a misread weight's tokens lie 10+
+    # below the top
     prompt = [1, 5, 9, 12]
     native = Engine(path, quantization="int4", **options).generate([prompt], params)[0].token_ids
     forced = engines["int4"].generate([prompt + native], SamplingParams(max_tokens=1, temperature=0,
                                                                         prompt_logprobs=1))[0].prompt_logprobs
     for token, logprobs in zip(native, forced[len(prompt) - 1:]):
-        assert logprobs[token] >= max(logprobs.values()) - 0.2, (token, logprobs)
+        assert logprobs[token] >= max(logprobs.values()) - 1.0, (token, logprobs)
 
 
 def test_a_real_model_in_q4_k_m_s_mix_served_int4_keeps_its_wider_matrices(tmp_path, cache, monkeypatch):  # noqa: F811
