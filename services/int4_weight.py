@@ -79,7 +79,7 @@ class Int4Weight:
             if _short_spans(groups[::every], low[::every], high[::every])[0].any():
                 short, step = _short_spans(groups, low, high)
                 scale16[short], low16[short] = step.half(), low[short].half()
-                levels = (groups[short] - low16[short].float()[:, None]) / step.half().float()[:, None]
+                levels = (groups[short] - low16[short].float()[:, None]) / scale16[short].float()[:, None]
                 q[short] = levels.round_().clamp_(0, 15)
             on_grid, d, levels = _q4_0_blocks(groups)
             scale16[on_grid], low16[on_grid], q[on_grid] = d.half(), (-8 * d).half(), levels
@@ -140,7 +140,7 @@ def on_four_bit_grid(weight: torch.Tensor, rows: int = 64) -> bool:
     16-bit tensor is not checked: it cannot hold a Q4 block's float32 values."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or 0 in weight.shape:
         return False
-    sample = weight[torch.linspace(0, weight.shape[0] - 1, min(rows, weight.shape[0])).round().long()]
+    sample = spread_rows(weight, rows)
     try:
         int4 = Int4Weight.quantize(sample)
     except ValueError:  # not finite, or past float16's range: no 4-bit file made it
@@ -150,6 +150,12 @@ def on_four_bit_grid(weight: torch.Tensor, rows: int = 64) -> bool:
     tolerance = (padded.abs().amax(dim=2) / 500).repeat_interleave(GROUP, dim=1)[:, :k]
     close = (int4.dequantize(torch.float32) - sample).abs() <= tolerance
     return close.float().mean().item() >= 0.99
+
+
+def spread_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`rows` rows of `weight` [N, K] evenly spread from the first to the last (all N where N <= rows): the sample the
+    per-matrix format checks read (on_four_bit_grid, quantized_weight.FileFormats)."""
+    return weight[torch.linspace(0, weight.shape[0] - 1, min(rows, weight.shape[0])).round().long()]
 
 
 def _short_spans(groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine_config import QUANTIZATIONS
-from services.int4_weight import Int4Weight, on_four_bit_grid
+from services.int4_weight import Int4Weight, on_four_bit_grid, spread_rows
 from services.w4a8_weight import W4A8Weight
 
 
@@ -126,7 +126,7 @@ def _int8_closer(weight: torch.Tensor, rows: int = 64) -> bool:
     """Whether int8 reproduces `weight` [N, K] more closely than int4 (squared error over `rows` evenly spread rows)."""
     if weight.dim() != 2 or 0 in weight.shape:
         return False
-    sample = weight[torch.linspace(0, weight.shape[0] - 1, min(rows, weight.shape[0])).round().long()].float()
+    sample = spread_rows(weight, rows).float()
     def error(kind: type[Int8Weight] | type[Int4Weight]) -> float:
         return (kind.quantize(sample).dequantize(torch.float32) - sample).pow(2).sum().item()
     return error(Int8Weight) < error(Int4Weight)
